@@ -1,0 +1,35 @@
+# megalign: `make install` builds .venv, `make run` runs the default CP=2 backward on the CPU,
+# `make test` installs and runs the test suite, `make bench` prints the benchmark ratios.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# --ignore-requires-python: megatron-core 0.17+ declares Python >=3.12 but runs on 3.11 (shared/NOTES.md).
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
+
+.PHONY: install run test bench clean
+
+install: $(BIN)/.installed
+
+$(BIN)/.installed: pyproject.toml constraints.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) --ignore-requires-python -e '.[test]'
+	# sglang only for its dumper (tests write sglang-format dumps with sglang's own code); its
+	# package pins a CUDA torch, so it goes in without dependencies (shared/NOTES.md).
+	$(PIP) --no-deps sglang==0.5.23
+	$(PIP) pyzmq msgspec
+	$(BIN)/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+run: install
+	$(BIN)/megalign backward --cp 2 --out dumps/cp2 --overwrite
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python bench/bench_run.py
+	$(BIN)/python bench/bench_compare.py
+
+clean:
+	rm -rf $(VENV) dumps

@@ -1,0 +1,1 @@
+"""The megalign library: launching, workers, the dump format, reassembly, metrics and reports."""

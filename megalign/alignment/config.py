@@ -1,0 +1,152 @@
+"""Model and run configuration: dataclasses read from YAML (model) and from the CLI (run).
+
+The defaults of `ModelConfig` are the embedded tiny model, so that `megalign backward` runs on a
+laptop with no file at hand; configs/tiny.yaml spells the same values out for copying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from megalign.alignment.errors import UserError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, in the terms megatron-core's TransformerConfig uses."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    kv_channels: Optional[int] = None
+    vocab_size: int = 128
+    max_position_embeddings: int = 256
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    rotary_base: float = 10000.0
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_embeddings: bool = False
+    init_method_std: float = 0.02
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> "ModelConfig":
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise UserError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise UserError(f"config {path} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"config {path} must be a mapping of keys to values")
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config") -> "ModelConfig":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise UserError(f"{source}: unknown config key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+        config = cls(**raw)
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "config") -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise UserError(f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_query_groups={self.num_query_groups}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise UserError(f"{source}: hidden_size={self.hidden_size} is not a multiple of "
+                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+        if self.position_embedding not in ("rope", "learned_absolute"):
+            raise UserError(f"{source}: position_embedding must be rope or learned_absolute")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world is split: world = tp * pp * cp (data parallel size 1)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def check(self, model: ModelConfig, seq_len: int) -> None:
+        """Raise UserError for a layout the model or sequence cannot be split into."""
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)):
+            if size < 1:
+                raise UserError(f"--{name} must be at least 1, got {size}")
+        if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
+                            f"and num_query_groups={model.num_query_groups}")
+        if model.ffn_hidden_size % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
+        if model.vocab_size % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide vocab_size={model.vocab_size}")
+        if model.num_layers % self.pp:
+            raise UserError(f"--pp {self.pp} does not divide num_layers={model.num_layers}")
+        if seq_len % (2 * self.cp):
+            raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * self.cp} "
+                            f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * self.cp}")
+        if seq_len > model.max_position_embeddings:
+            raise UserError(f"sequence length {seq_len} exceeds max_position_embeddings="
+                            f"{model.max_position_embeddings}")
+
+
+Mode = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs, written to JSON by the launcher and read by every rank."""
+
+    mode: Mode
+    out: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: Layout = field(default_factory=Layout)
+    tokens: list = field(default_factory=list)  # list of token-id lists, one per sequence
+    seq_len: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    seed: int = 1234
+    attention: Literal["auto", "local", "torch", "te"] = "auto"
+    loss_norm: Literal["global", "local"] = "global"
+    grad_source: Literal["auto", "grad", "main_grad"] = "auto"
+    filter: Optional[str] = None
+    stats_only: bool = False
+    timeout_s: float = 600.0
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        raw = json.loads(text)
+        raw["model"] = ModelConfig(**raw["model"])
+        raw["layout"] = Layout(**raw["layout"])
+        return cls(**raw)

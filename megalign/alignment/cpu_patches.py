@@ -1,0 +1,170 @@
+"""The few patches megatron-core needs to run on a CPU (gloo), in one place.
+
+megatron-core assumes CUDA in a handful of functions. Each patch below names the megatron-core
+function or attribute it replaces; `apply_cpu_patches` is called only when a run is on the CPU,
+and tests/test_cpu_patches.py fails loudly when an installed megatron-core no longer has a target
+(so a version bump cannot silently leave a patch pointing at nothing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+# megatron/core/transformer/moe/ops/paged_stash.py imports triton unguarded and is reached from
+# `import megatron.core`. A stub of that one module avoids a 286 MB wheel; a fake top-level
+# `triton` package would break torch._dynamo (shared/NOTES.md).
+PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def install_import_stubs() -> None:
+    """Call before the first `import megatron.core`. A no-op where triton is installed."""
+    if PAGED_STASH in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    stub = types.ModuleType(PAGED_STASH)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("megatron-core's paged-stash triton kernels are not available on the CPU")
+
+    stub.paged_stash_copy_kernel = unavailable
+    stub.paged_stash_pop_kernel = unavailable
+    sys.modules[PAGED_STASH] = stub
+
+
+@dataclass(frozen=True)
+class Patch:
+    targets: tuple[str, ...]  # "module:attribute" names this patch replaces
+    why: str
+    apply: Callable[[], None]
+
+    def check(self) -> None:
+        """Raise if an installed megatron-core (or torch) no longer has a target."""
+        for target in self.targets:
+            module_name, attr = target.split(":")
+            if not hasattr(importlib.import_module(module_name), attr):
+                raise RuntimeError(f"CPU patch target {target} no longer exists ({self.why}); "
+                                   f"megalign's cpu_patches needs updating for this megatron-core")
+
+
+def _cpu_current_device():
+    torch.cuda.current_device = lambda: "cpu"
+
+
+def _cpu_rng_tracker():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+
+    def add(self, name, seed):
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"cuda rng state {name} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    mrandom.CudaRNGStatesTracker.add = add
+
+
+def _cpu_causal_mask():
+    from megatron.core.fusions import fused_softmax
+
+    # fused_softmax imported the function by name, so its reference is the one to replace.
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_streams():
+    torch.cuda.current_stream = lambda *args, **kwargs: torch.cpu.current_stream()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+
+
+def _cpu_rope_cp_slice():
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        if cp_group is None:
+            raise ValueError("cp_group must be provided to get positional embedding per CP rank")
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+        pos_emb = pos_emb.index_select(seq_dim, index)
+        return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
+
+    for module in (rope_utils, rotary_pos_embedding):
+        module.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+
+
+def _cpu_schedules():
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"):
+        setattr(schedules, name, _on_cpu(getattr(schedules, name)))
+
+
+def _on_cpu(schedule):
+    """Run a schedule with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU."""
+    from torch.overrides import TorchFunctionMode
+
+    def is_cuda(device) -> bool:
+        return isinstance(device, (str, torch.device)) and str(device).startswith("cuda")
+
+    class CudaToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs["pin_memory"] = False
+            return func(*args, **kwargs)
+
+    def run(*args, **kwargs):
+        with CudaToCpu():
+            return schedule(*args, **kwargs)
+
+    return run
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(("torch.cuda:current_device",), "model build asks for the current CUDA device", _cpu_current_device),
+    Patch(("megatron.core.tensor_parallel.random:CudaRNGStatesTracker",
+           "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+           "megatron.core.tensor_parallel.random:_set_cuda_rng_state"),
+          "the RNG tracker saves and restores CUDA generator states", _cpu_rng_tracker),
+    Patch(("megatron.core.fusions.fused_softmax:get_default_causal_mask",),
+          "transformer/utils.py builds the causal mask with device='cuda'", _cpu_causal_mask),
+    Patch(("torch.cuda:current_stream", "torch.cuda:synchronize"),
+          "DDP's start_grad_sync waits on the current CUDA stream; PP's p2p _communicate synchronizes CUDA",
+          _cpu_streams),
+    Patch(("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
+           "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank"),
+          "slices RoPE per CP rank through pinned memory and .cuda()", _cpu_rope_cp_slice),
+    Patch(("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+           "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving"),
+          "the schedules allocate total_num_tokens (and PP's p2p buffers) with device='cuda'", _cpu_schedules),
+)
+
+_applied = False
+
+
+def apply_cpu_patches() -> None:
+    global _applied
+    if _applied:
+        return
+    for patch in PATCHES:
+        patch.check()
+        patch.apply()
+    _applied = True

@@ -1,0 +1,82 @@
+"""From what a user typed to a validated RunSpec: every user mistake is caught here, before a launch."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megalign.alignment.config import Layout, ModelConfig, RunSpec
+from megalign.alignment.errors import UserError
+from megalign.alignment.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
+
+
+@dataclass
+class RunRequest:
+    mode: str
+    out: Path
+    config: Optional[Path] = None
+    tokens: Optional[Path] = None
+    seq_len: Optional[int] = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    device: str = "auto"
+    dtype: str = "fp32"
+    seed: int = 1234
+    attention: str = "auto"
+    loss_norm: str = "global"
+    grad_source: str = "auto"
+    filter: Optional[str] = None
+    stats_only: bool = False
+    overwrite: bool = False
+    timeout_s: float = 600.0
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+    return device
+
+
+def check_attention(attention: str, cp: int) -> None:
+    if attention == "local" and cp > 1:
+        raise UserError("--attention local (megatron's DotProductAttention) cannot run with --cp > 1; "
+                        "use --attention torch or te")
+    if attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise UserError("--attention te needs TransformerEngine, which is not installed")
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
+
+
+def plan_run(request: RunRequest) -> RunSpec:
+    model = ModelConfig.from_yaml(request.config) if request.config else ModelConfig()
+    tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
+    check_tokens(tokens, model.vocab_size)
+    seq_len = resolve_seq_len(tokens, request.seq_len)
+    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp)
+    layout.check(model, seq_len)
+    if request.filter:
+        try:
+            re.compile(request.filter)
+        except re.error as e:
+            raise UserError(f"--filter {request.filter!r} is not a valid regular expression: {e}") from None
+    check_attention(request.attention, request.cp)
+    if request.timeout_s <= 0:
+        raise UserError("--timeout must be positive")
+    check_out(request.out, request.overwrite)
+    return RunSpec(mode=request.mode, out=str(request.out), model=model, layout=layout, tokens=tokens, seq_len=seq_len,
+                   device=resolve_device(request.device), dtype=request.dtype, seed=request.seed,
+                   attention=request.attention, loss_norm=request.loss_norm, grad_source=request.grad_source,
+                   filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s)

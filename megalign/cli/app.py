@@ -1,0 +1,23 @@
+"""The `megalign` command."""
+
+from __future__ import annotations
+
+import typer
+
+from megalign.cli import backward, compare, forward
+
+app = typer.Typer(
+    name="megalign",
+    help="Find where two runs of the same LLM stop agreeing numerically: dump a Megatron-core (or HF) "
+         "forward/backward under any TP/PP/CP layout, then compare two dumps tensor by tensor.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("forward")(forward.forward)
+app.command("backward")(backward.backward)
+app.command("compare")(compare.compare)
+
+
+def main() -> None:
+    app()
