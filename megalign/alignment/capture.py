@@ -22,6 +22,7 @@ from megalign.alignment.sharding import Sharding
 
 _TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")
 _QK_NORMS = ("q_layernorm", "k_layernorm")
+LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
 
 
 def output_sharding(module: torch.nn.Module, name: str, index: int, tensor: torch.Tensor, local_seq: int,
@@ -42,6 +43,10 @@ def output_sharding(module: torch.nn.Module, name: str, index: int, tensor: torc
     elif leaf in _QK_NORMS:
         tp_dim = tensor.ndim - 2  # [s, b, heads/tp, head_dim]
     return Sharding(seq_dim=seq_dim, tp_dim=tp_dim, tp_parts=parts)
+
+
+def _batch_first(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.transpose(0, 1)
 
 
 class ActivationCapture:
@@ -68,21 +73,28 @@ class ActivationCapture:
             for index, tensor in enumerate(outputs):
                 if not isinstance(tensor, torch.Tensor):
                     continue
-                key = name if index == 0 else f"{name}#{index}"
                 sharding = output_sharding(module, name, index, tensor, self.local_seq, self.model_config)
-                if self.writer.wants("activation", key):
-                    self.writer.add("activation", key, tensor, sharding, module=name, layer=layer_index(name))
-                if self.grads and tensor.requires_grad and self.writer.wants("activation_grad", key):
-                    tensor.register_hook(self._grad_hook(key, name, sharding))
+                kind, key, view = "activation", name if index == 0 else f"{name}#{index}", None
+                if key == LOGITS_MODULE:
+                    # Logits are dumped batch-first, [b, s, vocab], the way every stack can write them.
+                    kind, key, sharding = "logits", "logits", Sharding(seq_dim=1, tp_dim=sharding.tp_dim)
+                    view = _batch_first
+                self._record(kind, key, name, tensor, sharding, view)
 
         return record
 
-    def _grad_hook(self, key: str, name: str, sharding: Sharding):
-        def record(grad: Optional[torch.Tensor]):
-            if grad is not None:
-                self.writer.add("activation_grad", key, grad, sharding, module=name, layer=layer_index(name))
+    def _record(self, kind: str, key: str, name: str, tensor: torch.Tensor, sharding: Sharding, view=None) -> None:
+        """Dump `tensor` (through `view`, if any) now and its gradient when backward reaches it."""
+        view = view or (lambda t: t)
+        layer = layer_index(name)
+        if self.writer.wants(kind, key):
+            self.writer.add(kind, key, view(tensor), sharding, module=name, layer=layer)
+        if self.grads and tensor.requires_grad and self.writer.wants("activation_grad", key):
+            def on_grad(grad: Optional[torch.Tensor]):
+                if grad is not None:
+                    self.writer.add("activation_grad", key, view(grad), sharding, module=name, layer=layer)
 
-        return record
+            tensor.register_hook(on_grad)
 
     def remove(self) -> None:
         for handle in self.handles:

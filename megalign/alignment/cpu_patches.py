@@ -46,6 +46,7 @@ class Patch:
 
     def check(self) -> None:
         """Raise if an installed megatron-core (or torch) no longer has a target."""
+        install_import_stubs()
         for target in self.targets:
             module_name, attr = target.split(":")
             if not hasattr(importlib.import_module(module_name), attr):

@@ -20,10 +20,12 @@ def emit(event: str, rank: int, **fields) -> None:
 
 
 def emit_failure(rank: int, error: BaseException) -> None:
-    from megalign.alignment.errors import UserError
+    """UserError and RunFailed are megalign's own verdicts: their message is the story, no traceback."""
+    from megalign.alignment.errors import RunFailed, UserError
 
-    emit("failed", rank, error=f"{type(error).__name__}: {error}", user_error=isinstance(error, UserError),
-         traceback="".join(traceback.format_exception(error)))
+    own = isinstance(error, (UserError, RunFailed))
+    emit("failed", rank, error=str(error) if own else f"{type(error).__name__}: {error}",
+         user_error=isinstance(error, UserError), traceback="" if own else "".join(traceback.format_exception(error)))
 
 
 def parse(line: str) -> Optional[dict]:

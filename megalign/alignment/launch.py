@@ -174,7 +174,7 @@ def _failure(watch: _Watch, returncode: int) -> Exception:
                          details=_tail(watch))
     first = watch.failures[0]  # the first to fail; the others usually fail because it left
     if first.get("user_error"):
-        return UserError(first["error"].split(": ", 1)[-1])
+        return UserError(first["error"])
     return RunFailed(f"rank {first['rank']} failed: {first['error']}", details=first.get("traceback", ""))
 
 

@@ -68,6 +68,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     model = build_model(spec, config)
     load_full_weights(model, spec.model, seeded_weights(spec.seed, spec.model.init_method_std))
     emit("built", rank)
+    _inject_fault(rank)
 
     backward = spec.mode == "backward"
     batch = build_batch(spec.tokens, spec.seq_len).as_dict()
@@ -118,6 +119,19 @@ def _run(spec: RunSpec, rank: int) -> None:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     emit("done", rank)
+
+
+def _inject_fault(rank: int) -> None:
+    """MEGALIGN_FAULT=crash@R or hang@R makes rank R fail or hang here: how the tests check that the
+    launcher stops every worker and names the failing rank."""
+    fault = os.environ.get("MEGALIGN_FAULT", "")
+    kind, _, target = fault.partition("@")
+    if not fault or int(target or 0) != rank:
+        return
+    if kind == "crash":
+        raise RuntimeError(f"fault injected by MEGALIGN_FAULT={fault}")
+    if kind == "hang":
+        time.sleep(10 ** 6)
 
 
 def main(argv: list[str]) -> None:

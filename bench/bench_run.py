@@ -1,0 +1,122 @@
+"""Benchmark of `megalign forward/backward`: ratios from one run, never absolute times as claims.
+
+1. Forward-only peak memory with and without megatron DDP wrapping (why forward never wraps):
+   each variant in a fresh process, world size 1 on gloo, the llama-0.1b config.
+2. Backward time with a full dump, with --stats-only and with no dump (--filter matching nothing:
+   hooks installed, no tensor copied), through the real CLI; time is the workers' own elapsed_s
+   from dump.json, so interpreter start-up is left out.
+
+usage: python bench/bench_run.py [--config configs/llama-0.1b.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def forward_memory(config: Path, ddp: bool) -> dict:
+    """In this process: build the model as the worker does, optionally wrap it in DDP, run forward."""
+    from megalign.alignment.cpu_patches import apply_cpu_patches, install_import_stubs
+
+    install_import_stubs()
+    apply_cpu_patches()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megalign.alignment.config import ModelConfig, RunSpec
+    from megalign.alignment.model import build_model, load_full_weights, seeded_weights, transformer_config
+    from megalign.alignment.tokens import build_batch, default_tokens
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_config = ModelConfig.from_yaml(config)
+    tokens = default_tokens(model_config.vocab_size)
+    spec = RunSpec(mode="forward", out="", model=model_config, tokens=tokens, seq_len=32)
+    before = rss_bytes()
+    torch_config = transformer_config(spec)
+    model = build_model(spec, torch_config)
+    load_full_weights(model, model_config, seeded_weights(spec.seed, model_config.init_method_std))
+    if ddp:
+        model = DistributedDataParallel(torch_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    model.train(False)
+    batch = build_batch(tokens, 32)
+    with torch.no_grad():
+        model(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels)
+    return {"peak": peak_rss_bytes(), "model_part": peak_rss_bytes() - before}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_memory(config: Path) -> dict:
+    results = {}
+    for ddp in (False, True):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        done = subprocess.run([sys.executable, __file__, "--config", str(config), "--memory-child", str(int(ddp))],
+                              env=env, capture_output=True, text=True, check=True)
+        results[ddp] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
+def measure_backward(config: Path) -> dict:
+    variants = {"full dump": [], "--stats-only": ["--stats-only"], "no dump": ["--filter", "(?!)"]}
+    elapsed = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, extra in variants.items():
+            out = Path(tmp) / label.replace(" ", "-").strip("-")
+            subprocess.run([sys.executable, "-m", "megalign", "backward", "--config", str(config), "--out", str(out),
+                            *extra], check=True, capture_output=True, text=True)
+            meta = json.loads((out / "dump.json").read_text())
+            size = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
+            elapsed[label] = (meta["elapsed_s"], size)
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "llama-0.1b.yaml")
+    parser.add_argument("--memory-child", type=int, choices=(0, 1), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child is not None:
+        print(json.dumps(forward_memory(args.config, bool(args.memory_child))))
+        return
+
+    print(f"megalign run benchmark, model {args.config.name}, 2 sequences (32 and 20 tokens), CPU, world size 1")
+    memory = measure_memory(args.config)
+    print(f"forward-only peak RSS, DDP-wrapped / plain:              {memory[True]['peak'] / memory[False]['peak']:.2f}x")
+    print(f"  the same, counting only what the model run adds:      "
+          f"{memory[True]['model_part'] / memory[False]['model_part']:.2f}x")
+    backward = measure_backward(args.config)
+    base, _ = backward["no dump"]
+    for label in ("full dump", "--stats-only"):
+        seconds, size = backward[label]
+        print(f"backward time, {label:<13} / no dump:                {seconds / base:.2f}x"
+              + (f"   ({size / 2**20:.0f} MiB of tensors)" if size else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Shared fixtures: the real CLI, and dumps made once per session by real megatron-core workers.
+
+Each launch costs 6-15 s on two cores (mostly imports), so every dump that several tests read is
+made once, keyed by its command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from megalign.alignment.sources import open_source
+from megalign.cli.app import app
+
+
+def invoke(*args: str):
+    """Run `megalign ARGS` in-process through Typer, as a user would type it."""
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="session")
+def dump(tmp_path_factory):
+    """`dump("backward", "--cp", "2")` -> the folder of that run's dump, made once per session."""
+    made: dict[tuple, Path] = {}
+
+    def make(*args: str) -> Path:
+        if args not in made:
+            out = tmp_path_factory.mktemp("dump") / "out"
+            result = invoke(*args, "--out", out)
+            assert result.exit_code == 0, result.output
+            made[args] = out
+        return made[args]
+
+    return make
+
+
+def tensors(path: Path) -> dict[tuple[str, str], torch.Tensor]:
+    """Every tensor of a dump, reassembled from its shards by the product's own reader."""
+    source = open_source(path)
+    return {(e.kind, e.name): e.load().tensor for e in source.entries}
+
+
+def max_abs_diffs(a: Path, b: Path, kinds=None) -> dict[tuple[str, str], float]:
+    """Max |a - b| for every tensor both dumps hold (optionally of the given kinds)."""
+    ta, tb = tensors(a), tensors(b)
+    common = [k for k in ta if k in tb and (kinds is None or k[0] in kinds)]
+    return {k: (ta[k].double() - tb[k].double()).abs().max().item() for k in common}

@@ -1,0 +1,89 @@
+"""Bad input and failing workers: a one-line error, a non-zero exit, and nothing left on disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import invoke
+
+
+def error_line(result, traceback: bool = False) -> str:
+    """The one `error:` line; a traceback only where a worker crashed (the failing rank's own)."""
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.output
+    assert ("Traceback" in result.output) == traceback, result.output
+    return lines[0]
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    (tmp_path / "typo.yaml").write_text("num_layers: 2\nhiden_size: 64\n")
+    (tmp_path / "heads.yaml").write_text("num_attention_heads: 3\nnum_query_groups: 3\nhidden_size: 48\n")
+    (tmp_path / "big.json").write_text(json.dumps([[1, 2, 3, 999]]))
+    (tmp_path / "broken.json").write_text("[[1, 2,")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "{d}/typo.yaml"], "unknown config key(s) hiden_size"),
+    (["--config", "{d}/missing.yaml"], "config file not found"),
+    (["--config", "{d}/heads.yaml", "--tp", "2"], "--tp 2 does not divide num_attention_heads=3"),
+    (["--cp", "3"], "not divisible by 2*cp=6"),
+    (["--tokens", "{d}/big.json"], "token id 999 outside the vocabulary [0, 128)"),
+    (["--tokens", "{d}/broken.json"], "is not valid JSON"),
+    (["--seq-len", "16"], "shorter than the longest sequence"),
+    (["--attention", "local", "--cp", "2"], "cannot run with --cp > 1"),
+    (["--filter", "("], "not a valid regular expression"),
+    (["--device", "cuda"], "no CUDA device is available"),
+])
+def test_bad_input_is_one_line_and_exit_2(bad_files, tmp_path, args, message):
+    out = tmp_path / "out"
+    result = invoke("backward", *[a.format(d=bad_files) for a in args], "--out", out)
+    assert result.exit_code == 2, result.output
+    assert message in error_line(result)
+    assert not out.exists()
+
+
+def test_non_empty_out_is_refused_without_overwrite(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = invoke("forward", "--out", out)
+    assert result.exit_code == 2
+    assert "--overwrite" in error_line(result)
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_crashing_worker_names_its_rank_and_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGALIGN_FAULT", "crash@1")
+    out = tmp_path / "out"
+    result = invoke("backward", "--cp", "2", "--out", out)
+    assert result.exit_code == 1
+    assert "rank 1 failed: RuntimeError: fault injected" in error_line(result, traceback=True)
+    assert "in _inject_fault" in result.output
+    assert list(tmp_path.iterdir()) == []  # neither out nor out.partial
+
+
+def test_hanging_worker_is_stopped_at_the_timeout(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGALIGN_FAULT", "hang@1")
+    out = tmp_path / "out"
+    result = invoke("forward", "--cp", "2", "--timeout", "20", "--out", out)
+    assert result.exit_code == 1
+    assert "timed out after 20 s" in error_line(result)
+    assert list(tmp_path.iterdir()) == []
+    leftover = subprocess.run(["pgrep", "-f", "megalign.alignment.worker"], capture_output=True, text=True)
+    assert leftover.stdout == "", "workers left running after a timeout"
+
+
+def test_gradients_read_from_grad_under_ddp_fail_loudly(tmp_path):
+    """The classic empty gradient dump: under DDP `.grad` is None and the gradient is in main_grad."""
+    out = tmp_path / "out"
+    result = invoke("backward", "--grad-source", "grad", "--out", out)
+    assert result.exit_code == 1
+    line = error_line(result)
+    assert "15 of 15 parameters have no gradient (read from grad)" in line
+    assert "embedding.word_embeddings.weight" in line
+    assert not out.exists()
