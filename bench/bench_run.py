@@ -4,7 +4,7 @@
    each variant in a fresh process, world size 1 on gloo, the llama-0.1b config.
 2. Backward time with a full dump, with --stats-only and with no dump (--filter matching nothing:
    hooks installed, no tensor copied), through the real CLI; time is the workers' own elapsed_s
-   from dump.json, so interpreter start-up is left out.
+   from dump.json, so interpreter start-up is left out; the fastest of two runs of each.
 
 usage: python bench/bench_run.py [--config configs/llama-0.1b.yaml]
 """
@@ -33,26 +33,29 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def forward_memory(config: Path, ddp: bool) -> dict:
+def forward_memory(config: Path, ddp: bool, device: str) -> dict:
     """In this process: build the model as the worker does, optionally wrap it in DDP, run forward."""
-    from megalign.alignment.cpu_patches import apply_cpu_patches, install_import_stubs
+    if device == "cpu":
+        from megalign.alignment.cpu_patches import apply_cpu_patches, install_import_stubs
 
-    install_import_stubs()
-    apply_cpu_patches()
+        install_import_stubs()
+        apply_cpu_patches()
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megalign.alignment.config import ModelConfig, RunSpec
     from megalign.alignment.model import build_model, load_full_weights, seeded_weights, transformer_config
     from megalign.alignment.tokens import build_batch, default_tokens
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
     model_config = ModelConfig.from_yaml(config)
     tokens = default_tokens(model_config.vocab_size)
-    spec = RunSpec(mode="forward", out="", model=model_config, tokens=tokens, seq_len=32)
+    spec = RunSpec(mode="forward", out="", model=model_config, tokens=tokens, seq_len=32, device=device)
     before = rss_bytes()
     torch_config = transformer_config(spec)
     model = build_model(spec, torch_config)
@@ -60,9 +63,12 @@ def forward_memory(config: Path, ddp: bool) -> dict:
     if ddp:
         model = DistributedDataParallel(torch_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     model.train(False)
-    batch = build_batch(tokens, 32)
+    batch = {k: v.to(device) for k, v in build_batch(tokens, 32).as_dict().items()}
     with torch.no_grad():
-        model(batch.tokens, batch.position_ids, attention_mask=None, labels=batch.labels)
+        model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
+    if device == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+        return {"peak": peak, "model_part": peak}
     return {"peak": peak_rss_bytes(), "model_part": peak_rss_bytes() - before}
 
 
@@ -72,49 +78,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_memory(config: Path) -> dict:
+def measure_memory(config: Path, device: str) -> dict:
     results = {}
     for ddp in (False, True):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        done = subprocess.run([sys.executable, __file__, "--config", str(config), "--memory-child", str(int(ddp))],
-                              env=env, capture_output=True, text=True, check=True)
+        done = subprocess.run([sys.executable, __file__, "--config", str(config), "--device", device,
+                               "--memory-child", str(int(ddp))], env=env, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"memory run failed:\n{done.stderr[-3000:]}")
         results[ddp] = json.loads(done.stdout.strip().splitlines()[-1])
     return results
 
 
-def measure_backward(config: Path) -> dict:
+def measure_backward(config: Path, device: str, repeats: int = 2) -> dict:
+    """Each variant `repeats` times, interleaved; the fastest of each counts (least disturbed)."""
     variants = {"full dump": [], "--stats-only": ["--stats-only"], "no dump": ["--filter", "(?!)"]}
-    elapsed = {}
+    best: dict[str, tuple[float, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, extra in variants.items():
-            out = Path(tmp) / label.replace(" ", "-").strip("-")
-            subprocess.run([sys.executable, "-m", "megalign", "backward", "--config", str(config), "--out", str(out),
-                            *extra], check=True, capture_output=True, text=True)
-            meta = json.loads((out / "dump.json").read_text())
-            size = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
-            elapsed[label] = (meta["elapsed_s"], size)
-    return elapsed
+        for _ in range(repeats):
+            for label, extra in variants.items():
+                out = Path(tmp) / label.replace(" ", "-").strip("-")
+                done = subprocess.run([sys.executable, "-m", "megalign", "backward", "--config", str(config),
+                                       "--device", device, "--out", str(out), "--overwrite", *extra],
+                                      capture_output=True, text=True)
+                if done.returncode:
+                    sys.exit(f"backward run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+                seconds = json.loads((out / "dump.json").read_text())["elapsed_s"]
+                size = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
+                best[label] = min(best.get(label, (seconds, size)), (seconds, size))
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "llama-0.1b.yaml")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--memory-child", type=int, choices=(0, 1), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child is not None:
-        print(json.dumps(forward_memory(args.config, bool(args.memory_child))))
+        print(json.dumps(forward_memory(args.config, bool(args.memory_child), args.device)))
         return
 
-    print(f"megalign run benchmark, model {args.config.name}, 2 sequences (32 and 20 tokens), CPU, world size 1")
-    memory = measure_memory(args.config)
-    print(f"forward-only peak RSS, DDP-wrapped / plain:              {memory[True]['peak'] / memory[False]['peak']:.2f}x")
-    print(f"  the same, counting only what the model run adds:      "
-          f"{memory[True]['model_part'] / memory[False]['model_part']:.2f}x")
-    backward = measure_backward(args.config)
+    print(f"megalign run benchmark, model {args.config.name}, 2 sequences (32 and 20 tokens), "
+          f"{args.device}, world size 1")
+    memory = measure_memory(args.config, args.device)
+    what = "peak GPU memory allocated" if args.device == "cuda" else "peak RSS (whole process)"
+    print(f"forward-only {what}, DDP-wrapped / plain: {memory[True]['peak'] / memory[False]['peak']:.2f}x")
+    if args.device == "cpu":
+        print(f"forward-only RSS added by the model run, DDP-wrapped / plain: "
+              f"{memory[True]['model_part'] / memory[False]['model_part']:.2f}x")
+    backward = measure_backward(args.config, args.device)
     base, _ = backward["no dump"]
     for label in ("full dump", "--stats-only"):
         seconds, size = backward[label]
-        print(f"backward time, {label:<13} / no dump:                {seconds / base:.2f}x"
+        print(f"backward time, {label} / no dump: {seconds / base:.2f}x"
               + (f"   ({size / 2**20:.0f} MiB of tensors)" if size else ""))
 
 

@@ -42,6 +42,8 @@ def output_sharding(module: torch.nn.Module, name: str, index: int, tensor: torc
         parts = 2 if model_config.swiglu and leaf == "linear_fc1" else 1
     elif leaf in _QK_NORMS:
         tp_dim = tensor.ndim - 2  # [s, b, heads/tp, head_dim]
+    elif ".core_attention." in name:
+        tp_dim = tensor.ndim - 3  # softmax and dropout inside the attention: [b, heads/tp, sq, sk]
     return Sharding(seq_dim=seq_dim, tp_dim=tp_dim, tp_parts=parts)
 
 

@@ -62,6 +62,7 @@ class Summary:
     only_b: int
     not_reassemblable: int
     first_divergence: Optional[str]  # "kind name" of the first failing row, in execution order
+    first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
 
     @property
     def ok(self) -> bool:
@@ -90,8 +91,16 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     pattern = _compile_filter(name_filter)
     pairs = [p for p in match_entries(a, b) if pattern is None or pattern.search(p.name)]
     tokens = _tokens(a, b) if any(p.kind == "logprobs" and p.a and p.b for p in pairs) else None
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        rows = list(pool.map(lambda ip: _compare_pair(ip[0], ip[1], a, b, thresholds, tokens), enumerate(pairs)))
+    workers = workers or os.cpu_count() or 1
+    # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
+    # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            rows = list(pool.map(lambda ip: _compare_pair(ip[0], ip[1], a, b, thresholds, tokens), enumerate(pairs)))
+    finally:
+        torch.set_num_threads(torch_threads)
     first = next((row.index for row in rows if row.status in FAILING), None)
     return Report(a=a, b=b, rows=rows, summary=_summarise(rows, first), first_divergence=first)
 
@@ -191,7 +200,13 @@ def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
     def count(*statuses: str) -> int:
         return sum(1 for row in rows if row.status in statuses)
 
+    by_kind: dict[str, str] = {}
+    for row in rows:
+        if row.status in FAILING:
+            by_kind.setdefault(row.kind, row.name)
+
     return Summary(compared=count(PASS, FAIL), passed=count(PASS), failed=count(FAIL),
                    shape_mismatch=count(SHAPE_MISMATCH), only_a=count(ONLY_A), only_b=count(ONLY_B),
                    not_reassemblable=count(NOT_REASSEMBLABLE),
-                   first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None)
+                   first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None,
+                   first_failure_by_kind=by_kind)

@@ -81,7 +81,6 @@ def torchrun_command(spec: RunSpec, spec_file: Path, options: LaunchOptions) -> 
 
 def worker_env(spec: RunSpec) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
     if spec.device == "cuda":
         env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     return env

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from megalign.alignment.compare import Report  # noqa: E402
 
@@ -32,6 +33,7 @@ def plot_divergence(report: Report, path: Path) -> None:
             layers = sorted(worst)
             axes.plot(layers, [max(worst[layer], FLOOR) for layer in layers], marker="o", label=label)
     axes.set_yscale("log")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("layer")
     axes.set_ylabel("relative difference (max over the layer's tensors)")
     axes.set_title(f"{report.a.path.name} vs {report.b.path.name}")

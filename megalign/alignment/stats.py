@@ -26,13 +26,27 @@ class TensorStats:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorStats":
-        x = tensor.detach().to(torch.float64)
-        finite = x[torch.isfinite(x)]
-        empty = finite.numel() == 0
-        return cls(numel=x.numel(), sum=float(finite.sum()), sum_sq=float((finite * finite).sum()),
-                   abs_sum=float(finite.abs().sum()),
-                   min=math.nan if empty else float(finite.min()), max=math.nan if empty else float(finite.max()),
-                   nan=int(torch.isnan(x).sum()), inf=int(torch.isinf(x).sum()))
+        """Sums accumulate in float32 through torch's cascade summation (about 1e-7 relative; seen: 1e-7
+        on 2e7 normal values): float64 accumulation costs several times more on a CPU. vector_norm is
+        avoided: its float32 accumulation lost 0.2% on the same values."""
+        x = tensor.detach().flatten()
+        if not x.is_floating_point():
+            x = x.double()  # token ids and masks: small, and exact in float64
+        accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+        total, sum_sq = x.sum(dtype=accumulate), (x * x).sum(dtype=accumulate)
+        nan = inf = 0
+        if not (torch.isfinite(total) and torch.isfinite(sum_sq)):  # a NaN or Inf somewhere (or overflow)
+            nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+            x = x[torch.isfinite(x)].to(torch.float64)
+            if x.numel() == 0:
+                return cls(numel=tensor.numel(), sum=0.0, sum_sq=0.0, abs_sum=0.0, min=math.nan, max=math.nan,
+                           nan=nan, inf=inf)
+            accumulate = torch.float64
+            total, sum_sq = x.sum(), (x * x).sum()
+        low, high = torch.aminmax(x)
+        return cls(numel=tensor.numel(), sum=float(total), sum_sq=float(sum_sq),
+                   abs_sum=float(x.abs().sum(dtype=accumulate)),
+                   min=float(low), max=float(high), nan=nan, inf=inf)
 
     @classmethod
     def combine(cls, shards: Iterable["TensorStats"]) -> "TensorStats":

@@ -73,7 +73,8 @@ def _run(spec: RunSpec, rank: int) -> None:
     backward = spec.mode == "backward"
     batch = build_batch(spec.tokens, spec.seq_len).as_dict()
     if layout.cp > 1:
-        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+        cp_group = parallel_state.get_context_parallel_group()
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     if spec.device == "cuda":
         batch = {k: v.cuda() for k, v in batch.items()}
     local_seq = batch["tokens"].shape[1]

@@ -26,14 +26,15 @@ def run_command(mode: str):
 
     def command(
         out: Optional[Path] = typer.Option(None, "--out", "-o", rich_help_panel=DUMP,
-                                           help="Folder to write the dump to [default: dumps/<mode>-tp<T>-pp<P>-cp<C>]."),
+                                           help="Folder to write the dump to "
+                                                "(default: dumps/<mode>-tp<T>-pp<P>-cp<C>)."),
         config: Optional[Path] = typer.Option(None, "--config", "-c", rich_help_panel=RUN,
-                                              help="Model config YAML (see configs/) [default: embedded tiny model]."),
+                                              help="Model config YAML (see configs/) (default: embedded tiny model)."),
         tokens: Optional[Path] = typer.Option(None, "--tokens", rich_help_panel=RUN,
-                                              help="JSON file of token ids: [[ids...], ...] [default: 2 built-in "
-                                                   "sequences of 32 and 20 tokens]."),
+                                              help="JSON file of token ids, one list per sequence (default: 2 built-in "
+                                                   "sequences of 32 and 20 tokens)."),
         seq_len: Optional[int] = typer.Option(None, "--seq-len", rich_help_panel=RUN,
-                                              help="Pad every sequence to this length [default: the longest]. "
+                                              help="Pad every sequence to this length (default: the longest). "
                                                    "Must be a multiple of 2*cp."),
         tp: int = typer.Option(1, "--tp", rich_help_panel=LAYOUT, help="Tensor-parallel size."),
         pp: int = typer.Option(1, "--pp", rich_help_panel=LAYOUT, help="Pipeline-parallel size."),
@@ -53,7 +54,8 @@ def run_command(mode: str):
                                       help="global: divide the summed token loss by the valid-token count over "
                                            "all CP ranks (right). local: by each rank's own count (the classic CP "
                                            "bug: gradients scale by about CP)."),
-        grad_source: Literal["auto", "grad", "main_grad"] = typer.Option("auto", "--grad-source", rich_help_panel=DUMP, hidden=mode == "forward",
+        grad_source: Literal["auto", "grad", "main_grad"] = typer.Option(
+                                        "auto", "--grad-source", rich_help_panel=DUMP, hidden=mode == "forward",
                                         help="Where parameter gradients are read: auto = .grad, falling back to "
                                              "DDP's main_grad; grad reproduces the empty-dump bug under DDP."),
         filter: Optional[str] = typer.Option(None, "--filter", rich_help_panel=DUMP,
@@ -74,7 +76,7 @@ def run_command(mode: str):
         master_addr: Optional[str] = typer.Option(None, "--master-addr", rich_help_panel=LAUNCH,
                                                   help="Rendezvous host of node 0 (as torchrun)."),
         master_port: Optional[int] = typer.Option(None, "--master-port", rich_help_panel=LAUNCH,
-                                                  help="Rendezvous port of node 0 (as torchrun) [default: 29500]."),
+                                                  help="Rendezvous port of node 0 (as torchrun) (default: 29500)."),
         rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", rich_help_panel=LAUNCH,
                                                     help="host:port of a c10d rendezvous (as torchrun)."),
     ) -> None:

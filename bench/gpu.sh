@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# megalign on one GPU (NCCL, world 1): fp32 and bf16, tiny and a 0.5B Qwen2 layout, GPU vs CPU,
+# a planted --loss-norm local run, and the speed and memory ratios. Ends with a table of
+# expectations; exits non-zero when one fails.
+#
+#   bash bench/gpu.sh [OUTDIR]            (OUTDIR default: $OUT, else gpu-out)
+#   QUICK=1 DEVICE=cpu bash bench/gpu.sh  (a dry run of the script itself on a CPU, tiny model only)
+#
+# Needs megatron-core importable; where a folder .whl holds its wheel, it is installed from there
+# first (the lent GPU machines reach no package index).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:-${OUT:-gpu-out}}
+DEVICE=${DEVICE:-cuda}
+DUMPS=${DUMPS:-/tmp/megalign-gpu-dumps}
+LOGS=$DUMPS/logs  # every command's log; what comes back in OUTDIR is the summary (8 files at most)
+rm -rf "$DUMPS"
+mkdir -p "$OUTDIR" "$LOGS"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/megalign-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/megalign-site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+M="python3 -m megalign"
+RESULTS="$OUTDIR/results.txt"
+: >"$RESULTS"
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi";
+  python3 -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'; } \
+  | tee "$OUTDIR/machine.txt"
+
+# expect NAME WANTED_RC COMMAND...: run it, keep its log, record whether its exit code was the wanted one.
+expect() {
+  local name=$1 wanted=$2; shift 2
+  local start=$SECONDS
+  "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  local verdict=ok; [ "$rc" = "$wanted" ] || verdict=FAILED
+  printf '%-34s exit %s (wanted %s)  %4ss  %s\n' "$name" "$rc" "$wanted" $((SECONDS - start)) "$verdict" | tee -a "$RESULTS"
+}
+
+models="tiny"
+[ -z "${QUICK:-}" ] && models="tiny qwen2-0.5b"
+for model in $models; do
+  cfg=configs/$model.yaml
+  d=$DUMPS/$model
+  expect "$model-fwd-$DEVICE-fp32" 0 $M forward --device "$DEVICE" -c "$cfg" --out "$d/fwd-fp32"
+  expect "$model-fwd-$DEVICE-bf16" 0 $M forward --device "$DEVICE" -c "$cfg" --dtype bf16 --out "$d/fwd-bf16"
+  expect "$model-bwd-$DEVICE-fp32" 0 $M backward --device "$DEVICE" -c "$cfg" --out "$d/bwd-fp32"
+  expect "$model-bwd-$DEVICE-bf16" 0 $M backward --device "$DEVICE" -c "$cfg" --dtype bf16 --out "$d/bwd-bf16"
+  expect "$model-bwd-cpu-fp32" 0 $M backward --device cpu -c "$cfg" --out "$d/cpu-fp32"
+  expect "$model-bwd-cpu-cp2-local" 0 $M backward --device cpu -c "$cfg" --cp 2 --loss-norm local --out "$d/cpu-cp2-local"
+  expect "$model-compare-$DEVICE-vs-cpu" 0 $M compare "$d/bwd-fp32" "$d/cpu-fp32" --json "$LOGS/$model-gpu-vs-cpu.jsonl"
+  expect "$model-compare-bf16-vs-fp32" 0 $M compare "$d/bwd-bf16" "$d/bwd-fp32"
+  expect "$model-compare-fwd-bf16-vs-fp32" 0 $M compare "$d/fwd-bf16" "$d/fwd-fp32"
+  expect "$model-compare-planted-local" 1 $M compare "$d/bwd-fp32" "$d/cpu-cp2-local"
+done
+
+if [ -z "${QUICK:-}" ]; then
+  big=configs/qwen2-0.5b.yaml
+  expect "bench-run-0.5b" 0 python3 bench/bench_run.py --device "$DEVICE" --config "$big"
+  expect "bench-compare-0.5b-grads" 0 python3 bench/bench_compare.py \
+    --dumps "$DUMPS/qwen2-0.5b/bwd-fp32" "$DUMPS/qwen2-0.5b/cpu-fp32"
+fi
+
+for f in "$LOGS"/*compare*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done >"$OUTDIR/compare-tails.txt"
+for f in "$LOGS"/bench-*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done >"$OUTDIR/bench.txt"
+cp "$LOGS"/qwen2-0.5b-compare-$DEVICE-vs-cpu.log "$LOGS"/qwen2-0.5b-gpu-vs-cpu.jsonl "$OUTDIR"/ 2>/dev/null
+cat "$OUTDIR/bench.txt"
+echo "== results"
+cat "$RESULTS"
+! grep -q FAILED "$RESULTS"
