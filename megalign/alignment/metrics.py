@@ -23,14 +23,10 @@ CHUNK = 1 << 18  # 2 MiB of float64 per buffer: fits in cache, large enough for 
 
 
 @dataclass
-class TensorMetrics:
-    """Element-wise comparison. Differences are taken over positions finite on both sides."""
+class _Agreement:
+    """What every comparison reports: the scored relative difference and the NaN/Inf counts."""
 
     rel_diff: float
-    max_abs_diff: float
-    max_abs_index: Optional[list[int]]
-    mean_abs_diff: float
-    cosine: float
     nan_a: int
     nan_b: int
     inf_a: int
@@ -42,24 +38,25 @@ class TensorMetrics:
 
 
 @dataclass
-class StatsMetrics:
+class TensorMetrics(_Agreement):
+    """Element-wise comparison. Differences are taken over positions finite on both sides."""
+
+    max_abs_diff: float
+    max_abs_index: Optional[list[int]]
+    mean_abs_diff: float
+    cosine: float
+
+
+@dataclass
+class StatsMetrics(_Agreement):
     """Comparison of --stats-only summaries (see stats_metrics for the formula)."""
 
-    rel_diff: float
     norm_a: float
     norm_b: float
     mean_a: float
     mean_b: float
     std_a: float
     std_b: float
-    nan_a: int
-    nan_b: int
-    inf_a: int
-    inf_b: int
-
-    @property
-    def nonfinite_mismatch(self) -> bool:
-        return self.nan_a != self.nan_b or self.inf_a != self.inf_b
 
 
 @dataclass
