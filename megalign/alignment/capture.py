@@ -17,7 +17,7 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
 from megalign.alignment.config import ModelConfig
 from megalign.alignment.dump import RankWriter
-from megalign.alignment.model import global_name, layer_index
+from megalign.alignment.model import global_name, layer_index, logits_layout
 from megalign.alignment.sharding import Sharding
 
 _TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")
@@ -45,10 +45,6 @@ def output_sharding(module: torch.nn.Module, name: str, index: int, tensor: torc
     elif ".core_attention." in name:
         tp_dim = tensor.ndim - 3  # softmax and dropout inside the attention: [b, heads/tp, sq, sk]
     return Sharding(seq_dim=seq_dim, tp_dim=tp_dim, tp_parts=parts)
-
-
-def _batch_first(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.transpose(0, 1)
 
 
 class ActivationCapture:
@@ -79,8 +75,8 @@ class ActivationCapture:
                 kind, key, view = "activation", name if index == 0 else f"{name}#{index}", None
                 if key == LOGITS_MODULE:
                     # Logits are dumped batch-first, [b, s, vocab], the way every stack can write them.
-                    kind, key, sharding = "logits", "logits", Sharding(seq_dim=1, tp_dim=sharding.tp_dim)
-                    view = _batch_first
+                    kind, key = "logits", "logits"
+                    sharding, view = logits_layout(self.model_config, sharding)
                 self._record(kind, key, name, tensor, sharding, view)
 
         return record

@@ -17,6 +17,10 @@ import yaml
 from megalign.alignment.errors import UserError
 
 
+# megatron parameters whose rows are the vocabulary: padded when TP does not divide vocab_size.
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder-only transformer, in the terms megatron-core's TransformerConfig uses."""
@@ -80,6 +84,10 @@ class ModelConfig:
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
 
+    def padded_vocab_size(self, tp: int) -> int:
+        """megatron splits the vocabulary evenly over TP ranks; a checkpoint's vocab need not divide."""
+        return -(-self.vocab_size // tp) * tp
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -106,8 +114,6 @@ class Layout:
                             f"and num_query_groups={model.num_query_groups}")
         if model.ffn_hidden_size % self.tp:
             raise UserError(f"--tp {self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
-        if model.vocab_size % self.tp:
-            raise UserError(f"--tp {self.tp} does not divide vocab_size={model.vocab_size}")
         if model.num_layers % self.pp:
             raise UserError(f"--pp {self.pp} does not divide num_layers={model.num_layers}")
         if seq_len % (2 * self.cp):
@@ -140,6 +146,7 @@ class RunSpec:
     filter: Optional[str] = None
     stats_only: bool = False
     timeout_s: float = 600.0
+    hf: Optional[str] = None  # a Hugging Face checkpoint folder to load instead of seeded weights
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -14,7 +14,8 @@ import torch
 from megalign.alignment.config import RunSpec
 from megalign.alignment.dump import RankWriter
 from megalign.alignment.errors import RunFailed
-from megalign.alignment.model import global_name, is_duplicate_embedding, layer_index, param_sharding
+from megalign.alignment.model import (global_name, is_duplicate_embedding, layer_index, param_grad_layout,
+                                      param_sharding)
 
 
 def read_grad(param: torch.nn.Parameter, source: str) -> Optional[torch.Tensor]:
@@ -37,8 +38,8 @@ def collect_param_grads(model: torch.nn.Module, writer: RankWriter, spec: RunSpe
             missing.append(name)
             continue
         present += 1
-        writer.add("param_grad", name, grad, param_sharding(spec.model, name, param), module=name.rsplit(".", 1)[0],
-                   layer=layer_index(name))
+        grad, sharding = param_grad_layout(spec.model, name, grad, param_sharding(spec.model, name, param))
+        writer.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], layer=layer_index(name))
     if missing:
         raise RunFailed(f"{len(missing)} of {len(missing) + present} parameters have no gradient "
                         f"(read from {spec.grad_source}): {', '.join(missing[:5])}"

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from megalign.alignment.dump import RankWriter
 from megalign.alignment.sharding import Sharding
 
 
+def mean_token_loss(per_token: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The masked token losses summed and divided by `count` valid tokens: every stack's normalisation."""
+    return (per_token.float() * mask).sum() / count.clamp(min=1)
+
+
 def token_loss(writer: RankWriter, loss_mask: torch.Tensor, loss_norm: str, per_token: torch.Tensor):
     """megatron loss_func: `per_token` is [b, s_local] cross-entropy from GPTModel(labels=...)."""
+    from megatron.core import parallel_state  # here, so that the HF stack can share mean_token_loss cheaply
+
     cp_group = parallel_state.get_context_parallel_group()
     writer.add("logprobs", "logprobs", -per_token, Sharding(seq_dim=1))
     mask = loss_mask.float()
@@ -25,7 +31,7 @@ def token_loss(writer: RankWriter, loss_mask: torch.Tensor, loss_norm: str, per_
     count = local_count.clone()
     if loss_norm == "global":
         dist.all_reduce(count, group=cp_group)
-    loss = (per_token.float() * mask).sum() / count.clamp(min=1)
+    loss = mean_token_loss(per_token, mask, count)
     total = loss.detach().clone()
     dist.all_reduce(total, group=cp_group)
     writer.add("loss", "loss", total, Sharding())

@@ -27,7 +27,7 @@ def write_dump_meta(spec: RunSpec, elapsed_s: float, stack: str = "megatron", **
         "model": spec.model.to_dict(), "dtype": spec.dtype, "device": spec.device,
         "seq_len": spec.seq_len, "num_sequences": len(spec.tokens), "seed": spec.seed,
         "loss_norm": spec.loss_norm, "attention": spec.attention, "stats_only": spec.stats_only,
-        "filter": spec.filter, "elapsed_s": round(elapsed_s, 3),
+        "filter": spec.filter, "hf_checkpoint": spec.hf, "elapsed_s": round(elapsed_s, 3),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"megalign": __version__, "torch": package_version("torch"),
                      "megatron-core": package_version("megatron-core"), "python": platform.python_version()},

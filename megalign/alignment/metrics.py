@@ -105,7 +105,7 @@ def tensor_metrics(x: torch.Tensor, y: torch.Tensor) -> TensorMetrics:
         dd += float(torch.dot(d, d))
         abs_sum += float(torch.linalg.vector_norm(d, 1))
         low, high = torch.aminmax(d)  # several times faster than vector_norm(d, inf) on a CPU
-        chunk_max = max(-float(low), float(high))
+        chunk_max = max(abs(float(low)), abs(float(high)))
         if chunk_max > max_abs:  # the argmax pass only runs when the maximum moves
             max_abs, max_index = chunk_max, start + int(d.abs_().argmax())
     xy = (xx + yy - dd) / 2

@@ -21,7 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megalign.alignment.config import ModelConfig, RunSpec
+from megalign.alignment.config import VOCAB_PARAMS, ModelConfig, RunSpec
 from megalign.alignment.errors import UserError
 from megalign.alignment.sharding import Sharding
 
@@ -81,8 +81,9 @@ def layer_spec(spec: RunSpec):
 
 
 def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
+    vocab = spec.model.padded_vocab_size(spec.layout.tp)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec), vocab_size=spec.model.vocab_size,
+        config=config, transformer_layer_spec=layer_spec(spec), vocab_size=vocab,
         max_sequence_length=spec.model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.model.tie_embeddings,
@@ -91,7 +92,51 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
     )
     if spec.device == "cuda":
         model.cuda(torch.cuda.current_device())
+    if vocab > spec.model.vocab_size and model.post_process:
+        model.output_layer.register_forward_hook(_mask_vocab_padding(spec.model.vocab_size))
     return model
+
+
+def _mask_vocab_padding(vocab_size: int):
+    """Padded vocab entries get -inf logits, so that the softmax (and the loss) sees only the real vocab."""
+
+    def hook(module, inputs, output):
+        logits, bias = output
+        shard = logits.shape[-1]
+        first = parallel_state.get_tensor_model_parallel_rank() * shard
+        padding = torch.arange(first, first + shard, device=logits.device) >= vocab_size
+        return logits.masked_fill(padding, float("-inf")), bias
+
+    return hook
+
+
+def logits_layout(model_config: ModelConfig, sharding: Sharding):
+    """How logits are dumped: batch-first [b, s, vocab], cut back to the real vocab when it is padded.
+    Returns (sharding, view)."""
+    if not _vocab_padded(model_config):
+        return Sharding(seq_dim=1, tp_dim=sharding.tp_dim), lambda t: t.transpose(0, 1)
+    return Sharding(seq_dim=1), lambda t: real_vocab(t, model_config.vocab_size, dim=-1).transpose(0, 1)
+
+
+def param_grad_layout(model_config: ModelConfig, name: str, grad: torch.Tensor, sharding: Sharding):
+    """A parameter gradient as dumped: the vocab parameters' padded rows cut off. Returns (grad, sharding)."""
+    if name not in VOCAB_PARAMS or not _vocab_padded(model_config):
+        return grad, sharding
+    return real_vocab(grad, model_config.vocab_size, dim=0), Sharding()
+
+
+def _vocab_padded(model_config: ModelConfig) -> bool:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return model_config.padded_vocab_size(tp) != model_config.vocab_size
+
+
+def real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
+    """Gather a vocab-split tensor over TP and drop the padding: uneven shards would not reassemble,
+    so the result is the whole tensor, a replica on every TP rank."""
+    shards = [torch.empty_like(shard) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+    torch.distributed.all_gather(shards, shard.detach().contiguous(),
+                                 group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=dim).narrow(dim, 0, vocab_size)
 
 
 def global_name(model: GPTModel, local_name: str) -> str:

@@ -33,6 +33,8 @@ class RunRequest:
     stats_only: bool = False
     overwrite: bool = False
     timeout_s: float = 600.0
+    hf: Optional[Path] = None
+    stack: str = "megatron"
 
 
 def resolve_device(device: str) -> str:
@@ -53,6 +55,28 @@ def check_attention(attention: str, cp: int) -> None:
         raise UserError("--attention te needs TransformerEngine, which is not installed")
 
 
+def resolve_model(request: RunRequest) -> ModelConfig:
+    """--hf derives the model from the checkpoint's config.json; else --config, else the tiny model."""
+    if request.hf is None:
+        return ModelConfig.from_yaml(request.config) if request.config else ModelConfig()
+    if request.config:
+        raise UserError("--hf and --config cannot be combined: --hf takes the model from the checkpoint's config.json")
+    from megalign.alignment.hf.checkpoint import open_checkpoint
+
+    return open_checkpoint(request.hf).model
+
+
+def check_stack(request: RunRequest) -> None:
+    if request.stack == "megatron":
+        return
+    if request.stack != "hf":
+        raise UserError(f"--stack {request.stack!r}: expected megatron or hf")
+    if request.hf is None:
+        raise UserError("--stack hf needs a checkpoint: pass --hf PATH")
+    if (request.tp, request.pp, request.cp) != (1, 1, 1):
+        raise UserError("--stack hf runs transformers in one process: --tp, --pp and --cp must be 1")
+
+
 def check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
@@ -61,7 +85,8 @@ def check_out(out: Path, overwrite: bool) -> None:
 
 
 def plan_run(request: RunRequest) -> RunSpec:
-    model = ModelConfig.from_yaml(request.config) if request.config else ModelConfig()
+    check_stack(request)
+    model = resolve_model(request)
     tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
     check_tokens(tokens, model.vocab_size)
     seq_len = resolve_seq_len(tokens, request.seq_len)
@@ -79,4 +104,5 @@ def plan_run(request: RunRequest) -> RunSpec:
     return RunSpec(mode=request.mode, out=str(request.out), model=model, layout=layout, tokens=tokens, seq_len=seq_len,
                    device=resolve_device(request.device), dtype=request.dtype, seed=request.seed,
                    attention=request.attention, loss_norm=request.loss_norm, grad_source=request.grad_source,
-                   filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s)
+                   filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s,
+                   hf=str(request.hf) if request.hf else None)

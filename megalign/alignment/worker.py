@@ -66,7 +66,13 @@ def _run(spec: RunSpec, rank: int) -> None:
     model_parallel_cuda_manual_seed(spec.seed)
     config = transformer_config(spec)
     model = build_model(spec, config)
-    load_full_weights(model, spec.model, seeded_weights(spec.seed, spec.model.init_method_std))
+    if spec.hf:
+        from megalign.alignment.hf.checkpoint import megatron_weights, open_checkpoint
+
+        weights = megatron_weights(open_checkpoint(Path(spec.hf)))
+    else:
+        weights = seeded_weights(spec.seed, spec.model.init_method_std)
+    load_full_weights(model, spec.model, weights)
     emit("built", rank)
     _inject_fault(rank)
 

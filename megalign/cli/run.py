@@ -30,6 +30,12 @@ def run_command(mode: str):
                                                 "(default: dumps/<mode>-tp<T>-pp<P>-cp<C>)."),
         config: Optional[Path] = typer.Option(None, "--config", "-c", rich_help_panel=RUN,
                                               help="Model config YAML (see configs/) (default: embedded tiny model)."),
+        hf: Optional[Path] = typer.Option(None, "--hf", rich_help_panel=RUN,
+                                          help="Hugging Face checkpoint folder (config.json + safetensors) of a "
+                                               "Llama, Qwen2 or Qwen3 model; replaces --config."),
+        stack: Literal["megatron", "hf"] = typer.Option("megatron", "--stack", rich_help_panel=RUN,
+                                        help="megatron: megatron-core workers under torchrun. hf: the --hf "
+                                             "checkpoint through transformers in this process (one rank)."),
         tokens: Optional[Path] = typer.Option(None, "--tokens", rich_help_panel=RUN,
                                               help="JSON file of token ids, one list per sequence (default: 2 built-in "
                                                    "sequences of 32 and 20 tokens)."),
@@ -80,8 +86,9 @@ def run_command(mode: str):
         rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", rich_help_panel=LAUNCH,
                                                     help="host:port of a c10d rendezvous (as torchrun)."),
     ) -> None:
-        out = out or Path("dumps") / f"{mode}-tp{tp}-pp{pp}-cp{cp}"
-        request = RunRequest(mode=mode, out=out, config=config, tokens=tokens, seq_len=seq_len, tp=tp, pp=pp, cp=cp,
+        out = out or Path("dumps") / (f"{mode}-hf" if stack == "hf" else f"{mode}-tp{tp}-pp{pp}-cp{cp}")
+        request = RunRequest(mode=mode, out=out, config=config, hf=hf, stack=stack, tokens=tokens, seq_len=seq_len,
+                             tp=tp, pp=pp, cp=cp,
                              device=device, dtype=dtype, seed=seed, attention=attention, loss_norm=loss_norm,
                              grad_source=grad_source, filter=filter, stats_only=stats_only,
                              overwrite=overwrite, timeout_s=timeout)
@@ -90,19 +97,22 @@ def run_command(mode: str):
                 raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
                                 "the folder); remove --out first")
             spec = plan_run(request)
-            if launcher == "none":
+            if stack == "hf":
+                result = _run_hf(spec, launcher, overwrite)
+            elif launcher == "none":
                 _run_here(spec)
                 return
-            options = LaunchOptions(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                                    master_port=master_port, rdzv_endpoint=rdzv_endpoint, overwrite=overwrite)
-            result = _launch_with_progress(spec, options)
+            else:
+                options = LaunchOptions(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                                        master_port=master_port, rdzv_endpoint=rdzv_endpoint, overwrite=overwrite)
+                result = _launch_with_progress(spec, options)
         except UserError as e:
             fail(str(e), 2)
         except RunFailed as e:
             if e.details:
                 err_console.print(e.details, style="dim", markup=False, highlight=False)
             fail(str(e), 1)
-        _summary(spec, result)
+        _summary(spec, result, stack)
 
     command.__doc__ = (
         "Run the model forward and dump activations, logits and logprobs." if mode == "forward" else
@@ -127,6 +137,16 @@ def _launch_with_progress(spec, options: LaunchOptions) -> RunResult:
         return launch(spec, options, on_event)
 
 
+def _run_hf(spec, launcher: str, overwrite: bool) -> RunResult:
+    """--stack hf: transformers in this process; it imports neither torchrun nor megatron."""
+    from megalign.alignment.hf.stack import run_hf
+
+    if launcher == "none":
+        raise UserError("--stack hf runs in this process; --launcher none is for megatron ranks")
+    with console.status(f"{spec.mode} through transformers"):
+        return run_hf(spec, overwrite=overwrite)
+
+
 def _run_here(spec) -> None:
     """--launcher none: this process is one rank; rank 0 writes dump.json last, after every rank."""
     from megalign.alignment.worker import run_worker
@@ -138,13 +158,14 @@ def _run_here(spec) -> None:
     run_worker(spec)
 
 
-def _summary(spec, result: RunResult) -> None:
+def _summary(spec, result: RunResult, stack: str) -> None:
     table = Table.grid(padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
     layout = spec.layout
     table.add_row("dump", str(result.out))
-    table.add_row("run", f"{spec.mode}  tp={layout.tp} pp={layout.pp} cp={layout.cp}  {spec.dtype} on {spec.device}"
+    table.add_row("run", f"{spec.mode}  {stack}  tp={layout.tp} pp={layout.pp} cp={layout.cp}  "
+                         f"{spec.dtype} on {spec.device}"
                          f"  model={spec.model.name}  loss-norm={spec.loss_norm}")
     table.add_row("tensors", f"{result.tensors} records from {result.ranks} ranks"
                              + ("  (statistics only)" if spec.stats_only else ""))
