@@ -85,3 +85,10 @@ def test_dump_options_keep_inputs(dump, args):
         assert any(r.kind == "activation" for r in records)
     else:
         assert all(r.stats is not None and r.file is None for r in records)
+
+
+def test_pp2_with_other_weights_is_caught(dump):
+    """The failing twin of the PP check: stage 1's layer with different weights does not pass."""
+    diffs = max_abs_diffs(dump("backward", "--cp", "1"), dump("backward", "--pp", "2", "--seed", "7"))
+    assert diffs["activation", "decoder.layers.1"] > 100 * TOLERANCE
+    assert diffs["param_grad", "decoder.layers.1.mlp.linear_fc2.weight"] > 100 * TOLERANCE

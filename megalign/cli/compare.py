@@ -33,7 +33,7 @@ def compare(
                                         "REGEX; repeatable, the last match wins, beats --threshold."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON lines to this file."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the relative difference per layer."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Tensors compared in parallel [default: CPU count]."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Tensors compared in parallel (default: the CPU count)."),
 ) -> None:
     """Compare two dumps tensor by tensor; exit 0 when all agree within threshold, 1 when any diverges, 2 for bad input."""
     try:
