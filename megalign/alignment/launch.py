@@ -8,6 +8,7 @@ The launcher runs in a process session of its own so that a timeout can stop eve
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import shutil
@@ -19,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from megalign.alignment import events
 from megalign.alignment.config import RunSpec
@@ -86,31 +87,41 @@ def worker_env(spec: RunSpec) -> dict:
     return env
 
 
-def launch(spec: RunSpec, options: LaunchOptions, on_event: Callable[[dict], None] = lambda e: None) -> RunResult:
-    """Run the workers; return what they wrote, or raise UserError / RunFailed with the failing rank's story."""
-    out = Path(spec.out)
+@contextlib.contextmanager
+def staged(out: Path, overwrite: bool, owner: bool = True) -> Iterator[Path]:
+    """Yield OUT.partial to write into; rename it to OUT once the block succeeds, remove it if not.
+
+    Only the owner (node 0) creates, lands or removes the folder; other nodes' workers write into it.
+    """
     staging = staging_dir(out)
-    if options.node_rank == 0:
+    if owner:
         shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier run's leftovers: ours by name
         staging.mkdir(parents=True)
-    started = time.monotonic()
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="megalign-spec-", delete=False) as f:
-        f.write(replace(spec, out=str(staging)).to_json())
     try:
-        watch = _run(torchrun_command(spec, Path(f.name), options), worker_env(spec), spec.timeout_s, on_event)
-        if options.node_rank == 0:
-            if not (staging / DUMP_META).is_file():
-                raise RunFailed("the workers exited without writing dump.json", details=_tail(watch))
-            if out.exists() and options.overwrite:
+        yield staging
+        if owner:
+            if out.exists() and overwrite:
                 shutil.rmtree(out)
             os.replace(staging, out)
     except BaseException:
-        if options.node_rank == 0:
+        if owner:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    finally:
-        os.unlink(f.name)
-    result = RunResult(out=out, seconds=time.monotonic() - started, ranks=len(watch.written))
+
+
+def launch(spec: RunSpec, options: LaunchOptions, on_event: Callable[[dict], None] = lambda e: None) -> RunResult:
+    """Run the workers; return what they wrote, or raise UserError / RunFailed with the failing rank's story."""
+    started = time.monotonic()
+    owner = options.node_rank == 0
+    with staged(Path(spec.out), options.overwrite, owner) as staging, \
+            tempfile.NamedTemporaryFile("w", suffix=".json", prefix="megalign-spec-") as spec_file:
+        spec_file.write(replace(spec, out=str(staging)).to_json())
+        spec_file.flush()
+        command = torchrun_command(spec, Path(spec_file.name), options)
+        watch = _run(command, worker_env(spec), spec.timeout_s, on_event)
+        if owner and not (staging / DUMP_META).is_file():
+            raise RunFailed("the workers exited without writing dump.json", details=_tail(watch))
+    result = RunResult(out=Path(spec.out), seconds=time.monotonic() - started, ranks=len(watch.written))
     for written in watch.written.values():
         result.tensors += written.get("tensors", 0)
         result.bytes += written.get("bytes", 0)

@@ -9,8 +9,6 @@ their HF names, where they show up as only-in-one-side rows.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +22,7 @@ from megalign.alignment.errors import RunFailed, UserError
 from megalign.alignment.hf.checkpoint import HFCheckpoint, open_checkpoint
 from megalign.alignment.hf.families import SAME, Rule
 from megalign.alignment.hf.namemap import NameMap
-from megalign.alignment.launch import RunResult, staging_dir
+from megalign.alignment.launch import RunResult, staged
 from megalign.alignment.loss import mean_token_loss
 from megalign.alignment.meta import package_version, write_dump_meta
 from megalign.alignment.sharding import Sharding
@@ -39,22 +37,12 @@ BATCH_FIRST = Sharding(seq_dim=1)  # inputs, logits, logprobs
 def run_hf(spec: RunSpec, overwrite: bool = False) -> RunResult:
     """Write the dump into OUT.partial and rename it to OUT once complete, as the launcher does."""
     started = time.monotonic()
-    out = Path(spec.out)
-    staging = staging_dir(out)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    staged = replace(spec, out=str(staging))
-    try:
-        writer, loss = _run(staged)
-        write_dump_meta(staged, elapsed_s=time.monotonic() - started, stack="hf",
+    with staged(Path(spec.out), overwrite) as staging:
+        staged_spec = replace(spec, out=str(staging))
+        writer, loss = _run(staged_spec)
+        write_dump_meta(staged_spec, elapsed_s=time.monotonic() - started, stack="hf",
                         transformers=package_version("transformers"))
-        if out.exists() and overwrite:
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return RunResult(out=out, seconds=time.monotonic() - started, tensors=len(writer.records),
+    return RunResult(out=Path(spec.out), seconds=time.monotonic() - started, tensors=len(writer.records),
                      bytes=writer.bytes_written, loss=loss, ranks=1)
 
 
