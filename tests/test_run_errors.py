@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -67,15 +68,28 @@ def test_crashing_worker_names_its_rank_and_leaves_nothing(tmp_path, monkeypatch
     assert list(tmp_path.iterdir()) == []  # neither out nor out.partial
 
 
+def processes_with_env(entry: str) -> list[int]:
+    """Live processes whose environment holds `entry`: this test's workers, and no one else's."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if entry.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
 def test_hanging_worker_is_stopped_at_the_timeout(tmp_path, monkeypatch):
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("MEGALIGN_TEST_RUN", marker)
     monkeypatch.setenv("MEGALIGN_FAULT", "hang@1")
     out = tmp_path / "out"
     result = invoke("forward", "--cp", "2", "--timeout", "20", "--out", out)
     assert result.exit_code == 1
     assert "timed out after 20 s" in error_line(result)
     assert list(tmp_path.iterdir()) == []
-    leftover = subprocess.run(["pgrep", "-f", "megalign.alignment.worker"], capture_output=True, text=True)
-    assert leftover.stdout == "", "workers left running after a timeout"
+    assert not processes_with_env(f"MEGALIGN_TEST_RUN={marker}"), "workers left running after a timeout"
 
 
 def test_gradients_read_from_grad_under_ddp_fail_loudly(tmp_path):
