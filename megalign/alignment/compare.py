@@ -10,14 +10,13 @@ being worked on are in memory.
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 
-from megalign.alignment.errors import UserError
+from megalign.alignment.errors import compile_pattern
 from megalign.alignment.metrics import (LogprobMetrics, StatsMetrics, TensorMetrics, logprob_metrics,
                                         stats_metrics, tensor_metrics)
 from megalign.alignment.sources import Entry, Source, Value
@@ -88,7 +87,7 @@ class _Pair:
 
 def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
                     workers: Optional[int] = None) -> Report:
-    pattern = _compile_filter(name_filter)
+    pattern = compile_pattern("--filter", name_filter) if name_filter else None
     pairs = [p for p in match_entries(a, b) if pattern is None or pattern.search(p.name)]
     tokens = _tokens(a, b) if any(p.kind == "logprobs" and p.a and p.b for p in pairs) else None
     workers = workers or os.cpu_count() or 1
@@ -103,15 +102,6 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
         torch.set_num_threads(torch_threads)
     first = next((row.index for row in rows if row.status in FAILING), None)
     return Report(a=a, b=b, rows=rows, summary=_summarise(rows, first), first_divergence=first)
-
-
-def _compile_filter(name_filter: Optional[str]) -> Optional[re.Pattern]:
-    if not name_filter:
-        return None
-    try:
-        return re.compile(name_filter)
-    except re.error as e:
-        raise UserError(f"--filter {name_filter!r}: bad regular expression ({e})") from None
 
 
 def match_entries(a: Source, b: Source) -> list[_Pair]:
@@ -152,10 +142,14 @@ def _compare_pair(index: int, pair: _Pair, a: Source, b: Source, thresholds: Thr
     layer = pair.a.layer if pair.a else pair.b.layer
     row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
     if pair.a is None or pair.b is None:
-        value = (pair.a or pair.b).load()
+        entry = pair.a or pair.b
+        shape, dtype = entry.shape, entry.dtype
+        if shape is None:
+            value = entry.load()
+            shape, dtype = value.shape, value.dtype
         row.status = ONLY_B if pair.a is None else ONLY_A
-        row.shape_a, row.dtype_a = (value.shape, value.dtype) if pair.a else (None, None)
-        row.shape_b, row.dtype_b = (value.shape, value.dtype) if pair.b else (None, None)
+        row.shape_a, row.dtype_a = (shape, dtype) if pair.a else (None, None)
+        row.shape_b, row.dtype_b = (shape, dtype) if pair.b else (None, None)
         return row
     x, y = pair.a.load(), pair.b.load()
     row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype

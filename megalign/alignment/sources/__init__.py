@@ -47,6 +47,9 @@ class Entry:
     order: tuple  # sorts entries of one source in execution order
     layer: Optional[int]
     load: Callable[[], Value]
+    # Where the format records them: an only-in-one-side row then needs no load at all.
+    shape: Optional[list[int]] = None
+    dtype: Optional[str] = None
 
 
 @dataclass

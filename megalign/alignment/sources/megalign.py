@@ -7,7 +7,7 @@ from functools import partial
 from pathlib import Path
 
 from megalign.alignment.dump import Dump
-from megalign.alignment.reassemble import Shard, reassemble
+from megalign.alignment.reassemble import Shard, full_shape, reassemble
 from megalign.alignment.sources import Entry, Source, phase
 
 
@@ -22,10 +22,11 @@ def open_megalign(path: Path) -> Source:
             seen[(record.kind, record.name)] += 1
             name = record.name if repeat == 0 else f"{record.name}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
-    entries = [Entry(kind=kind, name=name, order=_order(shards[0]), layer=shards[0].record.layer,
-                     load=partial(reassemble, dump, shards))
-               for (kind, name), shards in groups.items()]
     meta, layout = dump.meta, dump.layout()
+    entries = [Entry(kind=kind, name=name, order=_order(shards[0]), layer=shards[0].record.layer,
+                     load=partial(reassemble, dump, shards), shape=full_shape(shards, layout["cp"]),
+                     dtype=shards[0].record.dtype)
+               for (kind, name), shards in groups.items()]
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, "
                    f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}, {meta.get('dtype', '?')}"
                    + (", stats only" if meta.get("stats_only") else ""))

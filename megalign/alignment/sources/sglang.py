@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from megalign.alignment.errors import UserError
-from megalign.alignment.metrics import max_abs_diff
+from megalign.alignment.reassemble import first_replica
 from megalign.alignment.sharding import merge_cp
 from megalign.alignment.sources import Entry, Source, Value, layer_of, phase
 from megalign.alignment.sources.plain import load_pt, tensor_value
@@ -205,7 +205,7 @@ def _coord(info: dict, axis: str) -> tuple[int, int]:
 def _merge(shards: list[tuple[dict, torch.Tensor]], splits: list[_Split], diffs: list[float]) -> torch.Tensor:
     """Undo the first split within every group of shards that agree on the other splits' ranks."""
     if not splits:
-        return _first_replica([t for _, t in shards], diffs)
+        return first_replica([t for _, t in shards], diffs)
     split, rest = splits[0], splits[1:]
     groups: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for info, tensor in shards:
@@ -216,7 +216,7 @@ def _merge(shards: list[tuple[dict, torch.Tensor]], splits: list[_Split], diffs:
         size = _coord(next(iter(by_rank.values()))[0][0], split.axis)[1]
         if sorted(by_rank) != list(range(size)):
             raise ValueError(f"has {split.axis} ranks {sorted(by_rank)} of {size}")
-        parts = [_first_replica([t for _, t in by_rank[r]], diffs) for r in range(size)]
+        parts = [first_replica([t for _, t in by_rank[r]], diffs) for r in range(size)]
         merged.append((by_rank[0][0][0], _undo(split, parts)))
     return _merge(merged, rest, diffs)
 
@@ -230,8 +230,3 @@ def _undo(split: _Split, parts: list[torch.Tensor]) -> torch.Tensor:
     if split.zigzag:
         return merge_cp(parts, split.dim)
     return torch.cat(parts, dim=split.dim)
-
-
-def _first_replica(replicas: list[torch.Tensor], diffs: list[float]) -> torch.Tensor:
-    diffs.extend(max_abs_diff(replicas[0], other) for other in replicas[1:])
-    return replicas[0]
