@@ -1,5 +1,7 @@
 """Errors a user can fix: the CLI prints them as one line and exits non-zero, never a traceback."""
 
+import re
+
 
 class UserError(Exception):
     """Bad input (config, tokens, layout, paths). Exit code 2."""
@@ -15,3 +17,11 @@ class RunFailed(Exception):
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
         self.details = details
+
+
+def compile_pattern(option: str, text: str) -> re.Pattern:
+    """A user's regular expression, or a UserError naming the option it came from."""
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise UserError(f"{option} {text!r} is not a valid regular expression: {e}") from None

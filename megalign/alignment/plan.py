@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from megalign.alignment.config import Layout, ModelConfig, RunSpec
-from megalign.alignment.errors import UserError
+from megalign.alignment.errors import UserError, compile_pattern
 from megalign.alignment.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
 
 
@@ -93,10 +92,7 @@ def plan_run(request: RunRequest) -> RunSpec:
     layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp)
     layout.check(model, seq_len)
     if request.filter:
-        try:
-            re.compile(request.filter)
-        except re.error as e:
-            raise UserError(f"--filter {request.filter!r} is not a valid regular expression: {e}") from None
+        compile_pattern("--filter", request.filter)
     check_attention(request.attention, request.cp)
     if request.timeout_s <= 0:
         raise UserError("--timeout must be positive")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megalign.alignment.errors import UserError
+from megalign.alignment.errors import UserError, compile_pattern
 
 DEFAULTS: dict[str, dict[str, float]] = {
     "fp32": {"input": 0.0, "activation": 1e-8, "activation_grad": 1e-7, "param_grad": 1e-7,
@@ -42,10 +42,9 @@ class Thresholds:
             pattern, sep, value = text.rpartition("=")
             if not sep or not pattern:
                 raise UserError(f"--tolerance {text!r}: expected REGEX=VALUE, e.g. 'layers\\.1\\.=1e-3'")
+            regex = compile_pattern("--tolerance", pattern)
             try:
-                patterns.append((re.compile(pattern), float(value)))
-            except re.error as e:
-                raise UserError(f"--tolerance {text!r}: bad regular expression ({e})") from None
+                patterns.append((regex, float(value)))
             except ValueError:
                 raise UserError(f"--tolerance {text!r}: {value!r} is not a number") from None
         return cls(override=threshold, patterns=patterns)
