@@ -85,7 +85,7 @@ def reassemble(dump: Dump, shards: list[Shard]) -> Value:
                 return value
             pieces.append(ops.concat_tp([ops.load(s) for s in group], sharding.tp_dim, sharding.tp_parts))
         else:
-            pieces.append(_first_replica(ops, [ops.load(s) for s in group], diffs))
+            pieces.append(first_replica([ops.load(s) for s in group], diffs, ops.replica_diff))
 
     if sharding.seq_dim is not None and layout["cp"] > 1:
         if len(pieces) != layout["cp"]:
@@ -93,7 +93,7 @@ def reassemble(dump: Dump, shards: list[Shard]) -> Value:
             return value
         full = ops.concat_cp(pieces, sharding.seq_dim)
     else:
-        full = _first_replica(ops, pieces, diffs)
+        full = first_replica(pieces, diffs, ops.replica_diff)
     if stats_only:
         value.stats = full
     else:
@@ -103,9 +103,9 @@ def reassemble(dump: Dump, shards: list[Shard]) -> Value:
     return value
 
 
-def _first_replica(ops, replicas: list, diffs: list):
-    """The first replica, after recording how far the others are from it."""
-    diffs.extend(ops.replica_diff(replicas[0], other) for other in replicas[1:])
+def first_replica(replicas: list, diffs: list, differ=max_abs_diff):
+    """The first replica, after recording how far `differ` finds the others from it."""
+    diffs.extend(differ(replicas[0], other) for other in replicas[1:])
     return replicas[0]
 
 
