@@ -13,7 +13,7 @@ import torch
 
 from megalign.alignment.config import RunSpec
 from megalign.alignment.dump import RankWriter
-from megalign.alignment.errors import RunFailed
+from megalign.alignment.coverage import check_coverage, has_gradient
 from megalign.alignment.model import (global_name, is_duplicate_embedding, layer_index, param_grad_layout,
                                       param_sharding)
 
@@ -34,14 +34,10 @@ def collect_param_grads(model: torch.nn.Module, writer: RankWriter, spec: RunSpe
         if is_duplicate_embedding(name, param):
             continue  # the first stage dumps the word embeddings' gradient after finalize's all-reduce
         grad = read_grad(param, spec.grad_source)
-        if grad is None or not bool(torch.any(grad != 0)):
+        if not has_gradient(grad):
             missing.append(name)
             continue
         present += 1
         grad, sharding = param_grad_layout(spec.model, name, grad, param_sharding(spec.model, name, param))
         writer.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], layer=layer_index(name))
-    if missing:
-        raise RunFailed(f"{len(missing)} of {len(missing) + present} parameters have no gradient "
-                        f"(read from {spec.grad_source}): {', '.join(missing[:5])}"
-                        + (" ..." if len(missing) > 5 else ""))
-    return {"with_grad": present, "without_grad": 0}
+    return check_coverage(missing, len(missing) + present, spec.grad_source)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from megalign.alignment.config import RunSpec
 from megalign.alignment.dump import RankCoords, RankWriter
-from megalign.alignment.errors import RunFailed, UserError
+from megalign.alignment.coverage import check_coverage, has_gradient
+from megalign.alignment.errors import UserError
 from megalign.alignment.hf.checkpoint import HFCheckpoint, open_checkpoint
 from megalign.alignment.hf.families import SAME, Rule
 from megalign.alignment.hf.namemap import NameMap
@@ -148,9 +149,7 @@ class HFCapture:
 def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter) -> dict:
     """Gradients joined into megatron's parameters (fused QKV, fused gate/up); HF-only ones as they are."""
     grads = {name: param.grad for name, param in model.named_parameters()}
-    missing = [name for name, grad in grads.items() if grad is None or not bool(torch.any(grad != 0))]
-    if missing:
-        raise RunFailed(f"{len(missing)} of {len(grads)} parameters have no gradient: {', '.join(missing[:5])}")
+    coverage = check_coverage([name for name, grad in grads.items() if not has_gradient(grad)], len(grads), ".grad")
     used = set()
     for megatron, (rule, parts) in names.params().items():
         value = names.join(rule, [grads[p] for p in parts], dim=0)
@@ -159,4 +158,4 @@ def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter
         used.update(parts)
     for name in (n for n in grads if n not in used):
         writer.add("param_grad", name, grads[name], Sharding(), module=name.rsplit(".", 1)[0], layer=layer_of(name))
-    return {"with_grad": len(grads), "without_grad": 0}
+    return coverage
