@@ -110,7 +110,7 @@ def run_command(mode: str):
             fail(str(e), 2)
         except RunFailed as e:
             if e.details:
-                err_console.print(e.details, style="dim", markup=False, highlight=False)
+                err_console.print(e.details, style="dim", markup=False, highlight=False, soft_wrap=True)
             fail(str(e), 1)
         _summary(spec, result, stack)
 
