@@ -25,8 +25,10 @@ from pathlib import Path
 
 import torch
 
-from megalign.alignment.dump import DUMP_META, FORMAT, VERSION, RankCoords, RankWriter, write_json_atomic
-from megalign.alignment.sharding import Sharding, zigzag_chunks
+from megalign.alignment.dump.format import DUMP_META, FORMAT, VERSION, RankCoords, write_json_atomic
+
+from megalign.alignment.dump.writer import RankWriter
+from megalign.alignment.dump.sharding import Sharding, zigzag_chunks
 
 TENSORS = 17
 SHAPE = (4096, 1, 4096)  # [s, b, h] fp32: 64 MiB each, 17 of them per dump
@@ -50,9 +52,9 @@ print(time.perf_counter() - start)
 _COMPARE = """
 import sys, time
 from pathlib import Path
-from megalign.alignment.compare import compare_sources
-from megalign.alignment.sources import open_source
-from megalign.alignment.thresholds import Thresholds
+from megalign.alignment.compare.verdict import compare_sources
+from megalign.alignment.compare.sources import open_source
+from megalign.alignment.compare.thresholds import Thresholds
 def status(key):
     line = next(l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(key))
     return int(line.split()[1]) * 1024
@@ -95,7 +97,7 @@ def run(script: str, *args: str) -> list[float]:
 
 
 def largest_tensor_bytes(*dumps: Path) -> int:
-    from megalign.alignment.dump import Dump
+    from megalign.alignment.dump.reader import Dump
 
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "float64": 8}
     return max(math.prod(r.shape) * itemsize.get(r.dtype, 4) for d in dumps for _, r in Dump.open(d).records())

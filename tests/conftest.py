@@ -12,7 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from megalign.alignment.sources import open_source
+from megalign.alignment.compare.sources import open_source
 from megalign.cli.app import app
 
 

@@ -13,6 +13,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: rich mode prints <bool> after flags and ignores metavars.
+    rich_markup_mode=None,
 )
 app.command("forward")(forward.forward)
 app.command("backward")(backward.backward)

@@ -3,57 +3,76 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 import typer
-from rich import box
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
-from megalign.alignment.compare import (FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, Report, Row,
-                                        compare_sources)
+from megalign.alignment.compare.metrics import TensorMetrics
+from megalign.alignment.compare.outputs import check_outputs
+from megalign.alignment.compare.sources import open_source
+from megalign.alignment.compare.thresholds import Thresholds
+from megalign.alignment.compare.verdict import (FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
+                                                SKIPPED, Report, Row, compare_sources)
 from megalign.alignment.errors import UserError
-from megalign.alignment.metrics import TensorMetrics
-from megalign.alignment.sources import open_source
-from megalign.alignment.thresholds import Thresholds
-from megalign.cli.render import console, fail
+from megalign.cli.render import Cell, Column, console, fail, print_table, resolve_format, use_color
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
-                 NOT_REASSEMBLABLE: "magenta"}
+                 NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta"}
 
 
 def compare(
-    a: Path = typer.Argument(..., help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors."),
-    b: Path = typer.Argument(..., help="Second dump, of any of the same kinds."),
-    filter: Optional[str] = typer.Option(None, "--filter", help="Only compare tensors whose name matches this regex (re.search)."),
-    threshold: Optional[float] = typer.Option(None, "--threshold", help="Relative-difference threshold for every tensor, "
-                                              "overriding the per-kind defaults."),
-    tolerance: list[str] = typer.Option([], "--tolerance", help="REGEX=VALUE: threshold for tensors whose name matches "
-                                        "REGEX; repeatable, the last match wins, beats --threshold."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON lines to this file."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of the relative difference per layer."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="Tensors compared in parallel (default: the CPU count)."),
+    a: Path = typer.Argument(..., metavar="A", show_default=False,
+                             help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors."),
+    b: Path = typer.Argument(..., metavar="B", show_default=False, help="Second dump, of any of the same kinds."),
+    filter: Optional[str] = typer.Option(None, "--filter", metavar="REGEX",
+                                         help="Only compare tensors whose name matches REGEX (re.search). "
+                                              "A filter that matches nothing is an error (exit 2). Default: all."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", metavar="X",
+                                              help="Relative-difference threshold for every tensor, overriding the "
+                                                   "per-kind defaults (finite, >= 0). Default: per kind and precision."),
+    tolerance: list[str] = typer.Option([], "--tolerance", metavar="REGEX=X",
+                                        help="Threshold X for tensors whose name matches REGEX; repeatable, the last "
+                                             "match wins, beats --threshold. Default: none."),
+    allow_skipped: Optional[str] = typer.Option(None, "--allow-skipped", metavar="REGEX",
+                                                help="Tensors matching REGEX that cannot be reassembled are skipped "
+                                                     "(and named in the summary) instead of failing. Default: none."),
+    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                            help="Also write the report as JSON lines to FILE. Default: none."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+                                        help="Also draw the relative difference per layer to FILE (.png, .svg or "
+                                             ".pdf). Default: none."),
+    workers: Optional[int] = typer.Option(None, "--workers", metavar="N", min=1,
+                                          help="Tensors compared in parallel. Default: the CPU count."),
+    fmt: Literal["auto", "table", "plain", "markdown"] = typer.Option(
+        "auto", "--format", help="How the table is printed: table (rich, for a terminal), plain (aligned text, full "
+                                 "names), markdown (a CI comment). auto: table in a colour terminal, else plain."),
+    no_color: bool = typer.Option(False, "--no-color", help="No colours (also NO_COLOR=1); auto format is then plain."),
 ) -> None:
     """Compare two dumps tensor by tensor; exit 0 when all agree within threshold, 1 when any diverges, 2 for bad input."""
+    use_color(no_color)
     try:
+        check_outputs({"--json": json_out, "--plot": plot}, [a, b])
         thresholds = Thresholds.from_cli(threshold, tolerance)
         source_a, source_b = open_source(a), open_source(b)
-        report = compare_sources(source_a, source_b, thresholds, name_filter=filter, workers=workers)
+        report = compare_sources(source_a, source_b, thresholds, name_filter=filter, workers=workers,
+                                 allow_skipped=allow_skipped)
     except UserError as e:
         fail(str(e), e.exit_code)
     console.print(f"[bold]A[/] {escape(str(a))}: {escape(source_a.description)}", highlight=False, soft_wrap=True)
     console.print(f"[bold]B[/] {escape(str(b))}: {escape(source_b.description)}", highlight=False, soft_wrap=True)
-    # A pipe or file has no width of its own: rich would assume 80 columns and fold every name.
-    (console if console.is_terminal else Console(width=_FILE_WIDTH)).print(_table(report))
-    _print_summary(report)
+    console.print()
+    print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
+                resolve_format(fmt), highlight=report.first_divergence)
+    console.print()
+    _print_summary(report, allow_skipped)
     try:
         if json_out is not None:
-            from megalign.alignment.report import write_jsonl
+            from megalign.alignment.compare.report import write_jsonl
 
             write_jsonl(report, json_out)
         if plot is not None:
-            from megalign.alignment.plot import plot_divergence
+            from megalign.alignment.compare.plot import plot_divergence
 
             plot_divergence(report, plot)
     except OSError as e:
@@ -61,28 +80,19 @@ def compare(
     raise typer.Exit(0 if report.summary.ok else 1)
 
 
-_FILE_WIDTH = 160
+# Mean abs diff, cosine and the rest are in the --json report.
+COLUMNS = (Column("#", right=True), Column("kind"), Column("name", wraps=True), Column("shape"),
+           Column("rel diff", right=True), Column("max abs diff @ index", right=True), Column("thr", right=True),
+           Column("status"), Column("note", wraps=True))
+
 _KIND_LABEL = {"activation": "act", "activation_grad": "act_grad"}
 
 
-def _table(report: Report) -> Table:
-    """One row per tensor; mean abs diff, cosine and the rest are in the --json report."""
-    table = Table(header_style="bold", pad_edge=False, box=box.SIMPLE_HEAD)
-    for header, justify in (("#", "right"), ("kind", "left"), ("name", "left"), ("shape", "left"),
-                            ("rel diff", "right"), ("max abs diff @ index", "right"), ("thr", "right"),
-                            ("status", "left"), ("note", "left")):
-        # Names and notes fold onto more lines; the short columns keep one line each.
-        wraps = header in ("name", "note")
-        table.add_column(header, justify=justify, overflow="fold", no_wrap=not wraps,
-                         min_width=24 if header == "name" else None,
-                         ratio=3 if header == "name" else 1 if header == "note" else None)
-    for row in report.rows:
-        first = row.index == report.first_divergence
-        status = f"[{_STATUS_STYLE[row.status]}]{row.status.upper()}[/]" + (" ◀ first" if first else "")
-        table.add_row(str(row.index), _KIND_LABEL.get(row.kind, row.kind), escape(row.name), _shape(row),
-                      *_metric_cells(row), _num(row.threshold), status, escape("; ".join(_notes(row))),
-                      style="on grey23" if first else None)
-    return table
+def _cells(row: Row, first: bool) -> list[Cell]:
+    status = row.status.upper() + (" ◀ first" if first else "")
+    texts = [str(row.index), _KIND_LABEL.get(row.kind, row.kind), row.name, _shape(row), *_metric_cells(row),
+             _num(row.threshold)]
+    return [*map(Cell, texts), Cell(status, _STATUS_STYLE[row.status]), Cell("; ".join(_notes(row)))]
 
 
 def _shape(row: Row) -> str:
@@ -120,7 +130,7 @@ def _num(value: Optional[float]) -> str:
     return "" if value is None else f"{value:.3g}"
 
 
-def _print_summary(report: Report) -> None:
+def _print_summary(report: Report, allow_skipped: Optional[str]) -> None:
     s = report.summary
     parts = [f"{s.compared} compared", f"[green]{s.passed} passed[/]",
              f"[{'bold red' if s.failed else 'green'}]{s.failed} failed[/]"]
@@ -128,7 +138,10 @@ def _print_summary(report: Report) -> None:
         parts.append(f"[bold red]{s.shape_mismatch} shape mismatch[/]")
     parts.append(f"[yellow]{s.only_a + s.only_b} only in one side[/] (A {s.only_a}, B {s.only_b})")
     if s.not_reassemblable:
-        parts.append(f"[magenta]{s.not_reassemblable} not reassemblable[/]")
+        parts.append(f"[bold magenta]{s.not_reassemblable} not reassemblable[/]")
+    if s.skipped:
+        parts.append(f"[magenta]{s.skipped} skipped[/] (not reassemblable, allowed by --allow-skipped "
+                     f"{escape(repr(allow_skipped))})")
     console.print(", ".join(parts), highlight=False, soft_wrap=True)
     if s.first_divergence:
         console.print(f"[bold red]first divergence:[/] {escape(s.first_divergence)}", highlight=False, soft_wrap=True)

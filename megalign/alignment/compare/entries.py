@@ -1,0 +1,57 @@
+"""What a comparison reads: a `Source` of lazily loaded `Entry`s, each loading to a `Value`.
+
+Kept apart from sources/ (which build them) and reassemble.py (which fills Values from shards), so
+that neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megalign.alignment.dump.stats import TensorStats
+
+# Execution order: forward tensors, then activation gradients (in backward order), then the
+# parameter gradients that the optimizer step would see.
+PHASES = {"input": 0, "activation": 0, "logits": 0, "logprobs": 0, "loss": 0, "param": 0,
+          "activation_grad": 1, "param_grad": 2}
+
+
+@dataclass
+class Value:
+    """A loaded tensor: its values, or only its statistics (--stats-only dumps), or why neither."""
+
+    shape: list[int]
+    dtype: str
+    tensor: Optional[torch.Tensor] = None
+    stats: Optional[TensorStats] = None
+    replica_diff: Optional[float] = None  # max abs disagreement between copies that should be equal
+    problem: Optional[str] = None  # set when the shards cannot be put back together
+
+
+@dataclass
+class Entry:
+    kind: Optional[str]  # None for plain tensor files, which do not say what a tensor is
+    name: str
+    order: tuple  # sorts entries of one source in execution order
+    layer: Optional[int]
+    load: Callable[[], Value]
+    # Where the format records them: an only-in-one-side row then needs no load at all.
+    shape: Optional[list[int]] = None
+    dtype: Optional[str] = None
+
+
+@dataclass
+class Source:
+    path: Path
+    format: str  # megalign | sglang | tensors
+    description: str
+    entries: list[Entry]
+    precision: Optional[str] = None  # the run's dtype where the format records it
+
+
+def phase(kind: Optional[str]) -> int:
+    return PHASES.get(kind or "activation", 0)

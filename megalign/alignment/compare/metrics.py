@@ -1,0 +1,173 @@
+"""How far apart two tensors are, computed in float64 while streaming over both.
+
+Tensors are walked in chunks of CHUNK elements, converted to float64 into two reused buffers, so a
+comparison needs two small buffers besides the (memory-mapped) inputs, whatever the tensor size.
+
+The relative difference is DeepGEMM's / sglang's `1 - 2*sum(x*y) / sum(x*x + y*y)`, computed in
+the algebraically equal form `sum((x-y)^2) / sum(x*x + y*y)`, which does not lose the small value
+to cancellation against 1. It is about eps^2/2 for a relative error eps (1e-8 means ~1.4e-4), and
+0.2 for y = 2x.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megalign.alignment.dump.stats import TensorStats
+
+CHUNK = 1 << 18  # 2 MiB of float64 per buffer: fits in cache, large enough for intra-op threads
+
+
+@dataclass
+class _Agreement:
+    """What every comparison reports: the scored relative difference and the NaN/Inf counts."""
+
+    rel_diff: float
+    nan_a: int
+    nan_b: int
+    inf_a: int
+    inf_b: int
+
+    @property
+    def nonfinite_mismatch(self) -> bool:
+        return self.nan_a != self.nan_b or self.inf_a != self.inf_b
+
+
+@dataclass
+class TensorMetrics(_Agreement):
+    """Element-wise comparison. Differences are taken over positions finite on both sides;
+    `nonfinite_diff` counts the positions where NaN/Inf differ (NaN on one side only, Inf on one
+    side only, or +Inf against -Inf)."""
+
+    max_abs_diff: float
+    max_abs_index: Optional[list[int]]
+    mean_abs_diff: float
+    cosine: float
+    nonfinite_diff: int = 0
+
+    @property
+    def nonfinite_mismatch(self) -> bool:
+        return self.nonfinite_diff > 0 or super().nonfinite_mismatch
+
+
+@dataclass
+class StatsMetrics(_Agreement):
+    """Comparison of --stats-only summaries (see stats_metrics for the formula)."""
+
+    norm_a: float
+    norm_b: float
+    mean_a: float
+    mean_b: float
+    std_a: float
+    std_b: float
+
+
+@dataclass
+class LogprobMetrics:
+    """Per-position absolute differences of two logprob tensors."""
+
+    max_abs_diff: float
+    mean_abs_diff: float
+    p99_abs_diff: float
+    worst_sequence: int
+    worst_position: int
+    worst_token: Optional[int]
+
+
+def rel_diff_of_sums(sum_sq_diff: float, sum_sq: float) -> float:
+    return sum_sq_diff / sum_sq if sum_sq > 0 else 0.0
+
+
+def tensor_metrics(x: torch.Tensor, y: torch.Tensor) -> TensorMetrics:
+    """x and y have the same shape; any dtypes (compared in float64)."""
+    flat_x, flat_y = x.reshape(-1), y.reshape(-1)
+    n = flat_x.numel()
+    buf_a = torch.empty(min(CHUNK, n), dtype=torch.float64)
+    buf_b = torch.empty_like(buf_a)
+    xx = yy = dd = abs_sum = 0.0
+    finite_pairs = n
+    max_abs, max_index = -1.0, None
+    nan_a = nan_b = inf_a = inf_b = nonfinite_diff = 0
+    for start in range(0, n, CHUNK):
+        size = min(CHUNK, n - start)
+        a, b = buf_a[:size], buf_b[:size]
+        a.copy_(flat_x[start:start + size])
+        b.copy_(flat_y[start:start + size])
+        chunk_xx, chunk_yy = float(torch.dot(a, a)), float(torch.dot(b, b))
+        if not (math.isfinite(chunk_xx) and math.isfinite(chunk_yy)):
+            # Rare path: count, then zero the non-finite pairs so the sums cover finite ones only.
+            nan_x, nan_y, inf_x, inf_y = a.isnan(), b.isnan(), a.isinf(), b.isinf()
+            nan_a, nan_b = nan_a + int(nan_x.sum()), nan_b + int(nan_y.sum())
+            inf_a, inf_b = inf_a + int(inf_x.sum()), inf_b + int(inf_y.sum())
+            nonfinite_diff += int(((nan_x != nan_y) | (inf_x != inf_y) | (inf_x & inf_y & (a != b))).sum())
+            bad = ~(a.isfinite() & b.isfinite())
+            finite_pairs -= int(bad.sum())
+            a.masked_fill_(bad, 0.0)
+            b.masked_fill_(bad, 0.0)
+            chunk_xx, chunk_yy = float(torch.dot(a, a)), float(torch.dot(b, b))
+        xx, yy = xx + chunk_xx, yy + chunk_yy
+        d = a.sub_(b)
+        dd += float(torch.dot(d, d))
+        abs_sum += float(torch.linalg.vector_norm(d, 1))
+        low, high = torch.aminmax(d)  # several times faster than vector_norm(d, inf) on a CPU
+        chunk_max = max(abs(float(low)), abs(float(high)))
+        if chunk_max > max_abs:  # the argmax pass only runs when the maximum moves
+            max_abs, max_index = chunk_max, start + int(d.abs_().argmax())
+    xy = (xx + yy - dd) / 2
+    cosine = xy / math.sqrt(xx * yy) if xx > 0 and yy > 0 else float(xx == yy)
+    return TensorMetrics(rel_diff=rel_diff_of_sums(dd, xx + yy), max_abs_diff=max(max_abs, 0.0),
+                         max_abs_index=unravel(max_index, list(x.shape)) if max_index is not None else None,
+                         mean_abs_diff=abs_sum / finite_pairs if finite_pairs else 0.0, cosine=cosine,
+                         nan_a=nan_a, nan_b=nan_b, inf_a=inf_a, inf_b=inf_b, nonfinite_diff=nonfinite_diff)
+
+
+def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """How far two replicas of one tensor disagree (0.0 when bit-identical, the usual case; inf when
+    they disagree on where NaN or Inf are)."""
+    if torch.equal(x, y):
+        return 0.0
+    metrics = tensor_metrics(x, y)
+    return math.inf if metrics.nonfinite_mismatch else metrics.max_abs_diff
+
+
+def stats_metrics(a: TensorStats, b: TensorStats) -> StatsMetrics:
+    """The relative-difference formula applied to the summaries, so thresholds keep their meaning.
+
+    For scalars the formula is (a-b)^2 / (a^2 + b^2). It is taken for the norms, and for the means
+    relative to the root-mean-squares (a mean near zero would make a plain relative difference
+    meaningless); the larger is the rel_diff. The standard deviations are reported but not scored:
+    they follow from the same two sums (std^2 = rms^2 - mean^2), and that subtraction turns the
+    sums' float32 accumulation error (stats.py) into noise far above the fp32 thresholds.
+    """
+    rms_a, rms_b = a.norm / math.sqrt(max(a.numel, 1)), b.norm / math.sqrt(max(b.numel, 1))
+    worst = max(rel_diff_of_sums((a.norm - b.norm) ** 2, a.norm ** 2 + b.norm ** 2),
+                rel_diff_of_sums((a.mean - b.mean) ** 2, rms_a ** 2 + rms_b ** 2))
+    return StatsMetrics(rel_diff=worst, norm_a=a.norm, norm_b=b.norm, mean_a=a.mean, mean_b=b.mean,
+                        std_a=a.std, std_b=b.std, nan_a=a.nan, nan_b=b.nan, inf_a=a.inf, inf_b=b.inf)
+
+
+def logprob_metrics(x: torch.Tensor, y: torch.Tensor, tokens: Optional[torch.Tensor]) -> LogprobMetrics:
+    """x, y: [sequences, positions] (or flat [tokens]); tokens: the input ids of the same shape, if known."""
+    diff = (x.to(torch.float64) - y.to(torch.float64)).abs()
+    diff = diff.nan_to_num(nan=math.inf)  # a NaN on one side is the worst position there is
+    flat = diff.reshape(-1)
+    worst = int(flat.argmax())
+    index = unravel(worst, list(x.shape)) if x.ndim >= 2 else [0, worst]
+    p99 = float(flat.kthvalue(max(1, math.ceil(0.99 * flat.numel()))).values)
+    token = None
+    if tokens is not None and tokens.shape == x.shape:
+        token = int(tokens.reshape(-1)[worst])
+    return LogprobMetrics(max_abs_diff=float(flat[worst]), mean_abs_diff=float(flat.mean()), p99_abs_diff=p99,
+                          worst_sequence=index[0], worst_position=index[-1], worst_token=token)
+
+
+def unravel(flat_index: int, shape: list[int]) -> list[int]:
+    index = []
+    for size in reversed(shape):
+        flat_index, rest = divmod(flat_index, size)
+        index.append(rest)
+    return index[::-1]

@@ -1,0 +1,42 @@
+"""megalign dumps: one Entry per (kind, name), reassembled from all ranks that hold it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+from megalign.alignment.dump.reader import Dump
+from megalign.alignment.compare.reassemble import Shard, full_shape, reassemble
+from megalign.alignment.compare.entries import Entry, Source, phase
+
+
+def open_megalign(path: Path) -> Source:
+    dump = Dump.open(path)
+    groups: dict[tuple[str, str], list[Shard]] = {}
+    for rank in dump.ranks:
+        seen: Counter = Counter()
+        for record in rank.records:
+            # A module called twice per step dumps its name twice: the repeats get @1, @2, ...
+            repeat = seen[(record.kind, record.name)]
+            seen[(record.kind, record.name)] += 1
+            name = record.name if repeat == 0 else f"{record.name}@{repeat}"
+            groups.setdefault((record.kind, name), []).append(Shard(rank, record))
+    meta, layout = dump.meta, dump.layout()
+    entries = [Entry(kind=kind, name=name, order=_order(shards[0]), layer=shards[0].record.layer,
+                     load=partial(reassemble, dump, shards), shape=full_shape(shards, layout["cp"]),
+                     dtype=shards[0].record.dtype)
+               for (kind, name), shards in groups.items()]
+    description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, "
+                   f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}, {meta.get('dtype', '?')}"
+                   + (", stats only" if meta.get("stats_only") else ""))
+    return Source(path=Path(path), format="megalign", description=description, entries=entries,
+                  precision=meta.get("dtype"))
+
+
+def _order(shard: Shard) -> tuple:
+    """Every PP stage counts its records from 0: forward runs through the stages in ascending
+    order, the backward in descending order."""
+    stage = shard.rank.coords.pp_rank
+    kind = shard.record.kind
+    return phase(kind), -stage if kind == "activation_grad" else stage, shard.record.order

@@ -1,0 +1,70 @@
+"""Which relative difference a tensor may have before it counts as diverged.
+
+The threshold applies to the relative difference (metrics.py), for every kind. The defaults
+follow the precision of the runs: fp32 runs of the same model under different layouts agree to
+~1e-7 per element (rel diff ~1e-14); bf16 runs carry ~4e-3 per element (rel diff ~1e-5 and up).
+Gradients go through more reductions than activations and get ten times the room. Inputs must
+match exactly. Precedence: a matching --tolerance pattern (the last one given wins), then
+--threshold, then the per-kind default.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megalign.alignment.errors import UserError, compile_pattern
+
+DEFAULTS: dict[str, dict[str, float]] = {
+    "fp32": {"input": 0.0, "activation": 1e-8, "activation_grad": 1e-7, "param_grad": 1e-7,
+             "logits": 1e-8, "logprobs": 1e-8, "loss": 1e-10},
+    "bf16": {"input": 0.0, "activation": 1e-3, "activation_grad": 2e-3, "param_grad": 2e-3,
+             "logits": 1e-3, "logprobs": 1e-3, "loss": 1e-4},
+}
+LOW_PRECISION = ("bf16", "fp16", "bfloat16", "float16")
+
+
+def precision_of(*dtypes: Optional[str]) -> str:
+    """'bf16' when any side ran or stored in 16-bit floats (the looser defaults), else 'fp32'."""
+    return "bf16" if any(d in LOW_PRECISION for d in dtypes if d) else "fp32"
+
+
+def check_threshold(option: str, value: float) -> float:
+    """A relative difference is finite and >= 0: NaN would fail every tensor, a negative one too."""
+    if not math.isfinite(value) or value < 0:
+        raise UserError(f"{option}: a threshold must be a finite number >= 0, got {value}")
+    return value
+
+
+@dataclass
+class Thresholds:
+    override: Optional[float] = None
+    patterns: list[tuple[re.Pattern, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_cli(cls, threshold: Optional[float], tolerances: list[str]) -> "Thresholds":
+        patterns = []
+        for text in tolerances:
+            pattern, sep, value = text.rpartition("=")
+            if not sep or not pattern:
+                raise UserError(f"--tolerance {text!r}: expected REGEX=VALUE, e.g. 'layers\\.1\\.=1e-3'")
+            regex = compile_pattern("--tolerance", pattern)
+            try:
+                number = float(value)
+            except ValueError:
+                raise UserError(f"--tolerance {text!r}: {value!r} is not a number") from None
+            patterns.append((regex, check_threshold(f"--tolerance {text!r}", number)))
+        if threshold is not None:
+            check_threshold("--threshold", threshold)
+        return cls(override=threshold, patterns=patterns)
+
+    def for_tensor(self, kind: str, name: str, precision: str) -> float:
+        for pattern, value in reversed(self.patterns):
+            if pattern.search(name):
+                return value
+        if self.override is not None:
+            return self.override
+        defaults = DEFAULTS[precision]
+        return defaults.get(kind, defaults["activation"])  # kinds of foreign dumps (e.g. 'param')

@@ -1,0 +1,238 @@
+"""Compare two sources tensor by tensor and decide which tensors diverged.
+
+Entries are matched by (kind, name); a plain tensor file has no kinds, so its tensors match the
+first tensor of the same name on the other side (in execution order: a forward activation before
+the gradient of the same name). Rows come in the execution order of A (B's order for tensors only
+in B). Pairs are compared on a thread pool: torch's kernels release the GIL, and only the pairs
+being worked on are in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from megalign.alignment.errors import UserError, compile_pattern
+from megalign.alignment.compare.metrics import (LogprobMetrics, StatsMetrics, TensorMetrics, logprob_metrics,
+                                        stats_metrics, tensor_metrics)
+from megalign.alignment.compare.entries import Entry, Source, Value
+from megalign.alignment.dump.stats import TensorStats
+from megalign.alignment.compare.thresholds import Thresholds, precision_of
+
+# Statuses. A tensor on one side only is legitimate (different attention kernels have different
+# submodules): counted, not failed. One that could not be reassembled was never compared, so it
+# fails unless the user allowed it (--allow-skipped), when it is SKIPPED and named in the summary.
+PASS, FAIL, SHAPE_MISMATCH = "pass", "fail", "shape_mismatch"
+ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED = "only_a", "only_b", "not_reassemblable", "skipped"
+FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
+
+
+@dataclass
+class Row:
+    index: int
+    kind: str
+    name: str
+    layer: Optional[int]
+    status: str = PASS
+    threshold: Optional[float] = None
+    shape_a: Optional[list[int]] = None
+    shape_b: Optional[list[int]] = None
+    dtype_a: Optional[str] = None
+    dtype_b: Optional[str] = None
+    dtype_mismatch: bool = False
+    metrics: Union[TensorMetrics, StatsMetrics, None] = None
+    logprobs: Optional[LogprobMetrics] = None
+    replica_diff_a: Optional[float] = None
+    replica_diff_b: Optional[float] = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Summary:
+    compared: int
+    passed: int
+    failed: int
+    shape_mismatch: int
+    only_a: int
+    only_b: int
+    not_reassemblable: int
+    skipped: int
+    first_divergence: Optional[str]  # "kind name" of the first failing row, in execution order
+    first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
+
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0 and self.shape_mismatch == 0 and self.not_reassemblable == 0
+
+
+@dataclass
+class Report:
+    a: Source
+    b: Source
+    rows: list[Row]
+    summary: Summary
+    first_divergence: Optional[int]  # index into rows
+
+
+@dataclass
+class _Pair:
+    kind: str
+    name: str
+    a: Optional[Entry]
+    b: Optional[Entry]
+
+
+class NothingCompared(UserError):
+    """A comparison that compared no tensor proves nothing: exit 2, with the reason."""
+
+
+def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
+                    workers: Optional[int] = None, allow_skipped: Optional[str] = None) -> Report:
+    """Compare every tensor the two sources share; NothingCompared when not one pair was compared."""
+    pattern = compile_pattern("--filter", name_filter) if name_filter else None
+    skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None
+    matched = match_entries(a, b)
+    pairs = [p for p in matched if pattern is None or pattern.search(p.name)]
+    if not pairs:
+        raise NothingCompared(f"--filter {name_filter!r} matches none of the {len(matched)} tensors: nothing compared")
+    tokens = _tokens(a, b) if any(p.kind == "logprobs" and p.a and p.b for p in pairs) else None
+    workers = workers or os.cpu_count() or 1
+    # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
+    # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            rows = list(pool.map(lambda ip: _compare_pair(ip[0], ip[1], a, b, thresholds, tokens), enumerate(pairs)))
+    finally:
+        torch.set_num_threads(torch_threads)
+    for row in rows:
+        if row.status == NOT_REASSEMBLABLE and skippable is not None and skippable.search(row.name):
+            row.status = SKIPPED
+    first = next((row.index for row in rows if row.status in FAILING), None)
+    report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first), first_divergence=first)
+    _check_something_compared(report)
+    return report
+
+
+def _check_something_compared(report: Report) -> None:
+    s = report.summary
+    if s.compared or s.shape_mismatch or s.not_reassemblable:
+        return  # a shape mismatch or an unreassemblable tensor is a verdict (exit 1), not bad input
+    if s.skipped:
+        raise NothingCompared(f"every shared tensor ({s.skipped}) is not reassemblable and allowed by "
+                              "--allow-skipped: nothing compared")
+    raise NothingCompared(f"A and B share no tensor ({s.only_a} only in A, {s.only_b} only in B): nothing compared; "
+                          "are they runs of the same model?")
+
+
+def match_entries(a: Source, b: Source) -> list[_Pair]:
+    kindless = any(e.kind is None for e in a.entries + b.entries)
+    key = (lambda e: e.name) if kindless else (lambda e: (e.kind, e.name))
+    in_b: dict = {}
+    for entry in sorted(b.entries, key=lambda e: e.order):
+        in_b.setdefault(key(entry), entry)  # kindless: the first of a name in execution order
+    pairs, matched = [], set()
+    for entry in sorted(a.entries, key=lambda e: e.order):
+        other = in_b.get(key(entry))
+        if other is not None and id(other) in matched:
+            other = None
+        if other is not None:
+            matched.add(id(other))
+        pairs.append((entry.order, _pair(entry, other)))
+    pairs += [(e.order, _pair(None, e)) for e in b.entries if id(e) not in matched]
+    pairs.sort(key=lambda p: p[0])  # stable: B-only tensors fall in place by B's own order
+    return [p for _, p in pairs]
+
+
+def _pair(a: Optional[Entry], b: Optional[Entry]) -> _Pair:
+    kind = (a.kind if a else None) or (b.kind if b else None) or "tensor"
+    return _Pair(kind=kind, name=(a or b).name, a=a, b=b)
+
+
+def _tokens(a: Source, b: Source) -> Optional[torch.Tensor]:
+    """Input token ids, to name the token at the worst logprob position."""
+    for source in (a, b):
+        for entry in source.entries:
+            if entry.kind == "input" and entry.name == "tokens":
+                return entry.load().tensor
+    return None
+
+
+def _compare_pair(index: int, pair: _Pair, a: Source, b: Source, thresholds: Thresholds,
+                  tokens: Optional[torch.Tensor]) -> Row:
+    layer = pair.a.layer if pair.a else pair.b.layer
+    row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
+    if pair.a is None or pair.b is None:
+        entry = pair.a or pair.b
+        shape, dtype = entry.shape, entry.dtype
+        if shape is None:
+            value = entry.load()
+            shape, dtype = value.shape, value.dtype
+        row.status = ONLY_B if pair.a is None else ONLY_A
+        row.shape_a, row.dtype_a = (shape, dtype) if pair.a else (None, None)
+        row.shape_b, row.dtype_b = (shape, dtype) if pair.b else (None, None)
+        return row
+    x, y = pair.a.load(), pair.b.load()
+    row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype
+    row.replica_diff_a, row.replica_diff_b = x.replica_diff, y.replica_diff
+    for side, value in (("A", x), ("B", y)):
+        if value.replica_diff is not None and not math.isfinite(value.replica_diff):
+            row.notes.append(f"{side}: replicas disagree on where NaN/Inf are")
+        elif value.replica_diff:
+            row.notes.append(f"{side}: replicas differ by {value.replica_diff:.3g}")
+    problems = [f"{side}: {v.problem}" for side, v in (("A", x), ("B", y)) if v.problem]
+    if problems:
+        row.status = NOT_REASSEMBLABLE
+        row.notes += problems
+        return row
+    if list(x.shape) != list(y.shape):
+        row.status = SHAPE_MISMATCH
+        return row
+    if x.dtype != y.dtype:
+        row.dtype_mismatch = True
+        row.notes.append(f"dtype {x.dtype} vs {y.dtype}, compared in float64")
+    row.threshold = thresholds.for_tensor(pair.kind, pair.name,
+                                          precision_of(a.precision, b.precision, x.dtype, y.dtype))
+    row.metrics = _metrics(x, y)
+    if pair.kind == "logprobs" and x.tensor is not None and y.tensor is not None:
+        row.logprobs = logprob_metrics(x.tensor, y.tensor, tokens)
+    diverged = not (row.metrics.rel_diff <= row.threshold)  # NaN compares false: diverged
+    m = row.metrics
+    if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
+        where = "at different positions or signs" if m.nonfinite_mismatch else "at the same positions on both sides"
+        row.notes.append(f"NaN/Inf {where}: A {m.nan_a} NaN {m.inf_a} Inf, B {m.nan_b} NaN {m.inf_b} Inf")
+    replicas_nonfinite = any(v.replica_diff is not None and not math.isfinite(v.replica_diff) for v in (x, y))
+    row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_nonfinite else PASS
+    return row
+
+
+def _metrics(x: Value, y: Value) -> Union[TensorMetrics, StatsMetrics]:
+    if x.tensor is not None and y.tensor is not None:
+        return tensor_metrics(x.tensor, y.tensor)
+    return stats_metrics(_stats(x), _stats(y))  # a --stats-only side: compare summaries
+
+
+def _stats(value: Value) -> TensorStats:
+    return value.stats if value.stats is not None else TensorStats.of(value.tensor)
+
+
+def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
+    def count(*statuses: str) -> int:
+        return sum(1 for row in rows if row.status in statuses)
+
+    by_kind: dict[str, str] = {}
+    for row in rows:
+        if row.status in FAILING:
+            by_kind.setdefault(row.kind, row.name)
+
+    return Summary(compared=count(PASS, FAIL), passed=count(PASS), failed=count(FAIL),
+                   shape_mismatch=count(SHAPE_MISMATCH), only_a=count(ONLY_A), only_b=count(ONLY_B),
+                   not_reassemblable=count(NOT_REASSEMBLABLE), skipped=count(SKIPPED),
+                   first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None,
+                   first_failure_by_kind=by_kind)

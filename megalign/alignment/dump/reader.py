@@ -1,0 +1,89 @@
+"""Reading a complete megalign dump: dump.json, every rank's manifest, tensors memory-mapped on demand."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from megalign.alignment.dump.format import DUMP_META, MANIFEST, RankCoords, TensorRecord, dtype_name, rank_dirname
+from megalign.alignment.dump.validate import check_manifest, check_meta, check_tensor_file
+from megalign.alignment.errors import UserError
+
+
+@dataclass
+class RankManifest:
+    dir: Path
+    coords: RankCoords
+    records: list[TensorRecord]
+    extra: dict = field(default_factory=dict)
+
+
+class Dump:
+    """A complete megalign dump on disk, read lazily: tensors are memory-mapped one at a time."""
+
+    def __init__(self, path: Path, meta: dict, ranks: list[RankManifest]):
+        self.path, self.meta, self.ranks = path, meta, ranks
+
+    @staticmethod
+    def is_dump(path: Path) -> bool:
+        return (Path(path) / DUMP_META).is_file()
+
+    @classmethod
+    def open(cls, path: Path) -> "Dump":
+        path = Path(path)
+        if not path.is_dir():
+            raise UserError(f"{path}: no such dump folder")
+        meta_path = path / DUMP_META
+        if not meta_path.is_file():
+            partial = any(path.glob("rank-*"))
+            raise UserError(f"{path}: incomplete dump (no {DUMP_META}; the run that wrote it did not finish)"
+                            if partial else f"{path}: not a megalign dump (no {DUMP_META})")
+        meta = check_meta(_read_json(meta_path), str(meta_path))
+        ranks = []
+        for rank in range(meta["world_size"]):
+            manifest_path = path / rank_dirname(rank) / MANIFEST
+            if not manifest_path.is_file():
+                raise UserError(f"{path}: incomplete dump (rank {rank} has no {MANIFEST})")
+            coords, records, extra = check_manifest(_read_json(manifest_path), str(manifest_path), rank,
+                                                    meta["layout"], manifest_path.parent)
+            ranks.append(RankManifest(dir=manifest_path.parent, coords=coords, records=records, extra=extra))
+        return cls(path, meta, ranks)
+
+    def layout(self) -> dict:
+        return self.meta["layout"]
+
+    def records(self) -> Iterator[tuple[RankManifest, TensorRecord]]:
+        for rank in self.ranks:
+            for record in rank.records:
+                yield rank, record
+
+    def load(self, rank: RankManifest, record: TensorRecord) -> torch.Tensor:
+        if record.file is None:
+            raise UserError(f"{self.path}: {record.name} was dumped with --stats-only and has no values")
+        file = check_tensor_file(record.file, rank.dir, f"{self.path}: {record.name}")  # again: files can change
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                tensor = f.get_tensor(record.key)
+        except Exception as e:  # safetensors raises several types for a truncated or foreign file
+            raise UserError(f"{file}: unreadable tensor file ({e})") from None
+        if list(tensor.shape) != record.shape or dtype_name(tensor.dtype) != record.dtype:
+            raise UserError(f"{file}: key {record.key!r} holds {dtype_name(tensor.dtype)} {list(tensor.shape)}, but "
+                            f"the manifest's record {record.kind} {record.name} says {record.dtype} {record.shape}")
+        return tensor
+
+
+def _read_json(path: Path):
+    """A dump's JSON file: a regular file (a link could lead outside the dump, a FIFO would hang)."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise UserError(f"{path}: not a regular file")
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UserError(f"{path}: unreadable ({type(e).__name__}: {str(e)[:200]})") from None

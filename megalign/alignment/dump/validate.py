@@ -1,0 +1,159 @@
+"""Checking the JSON of a dump before anything is read from it: a dump may come from anywhere.
+
+Every field the reader uses is checked for its type and range, and every tensor file a record names
+must be a plain file name inside its rank folder. A malformed dump is one `UserError` naming the file
+and the field (exit 2), never a traceback, a hang, or a file read outside the dump.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Any, Optional
+
+from megalign.alignment.dump.format import FORMAT, KINDS, VERSION, RankCoords, TensorRecord
+from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.dump.stats import TensorStats
+from megalign.alignment.errors import UserError
+
+# The dtypes safetensors stores, by the names dtype_name() writes.
+DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int16",
+          "int8", "uint8", "bool")
+LAYOUT_AXES = ("tp", "pp", "cp")
+
+
+class Malformed(UserError):
+    pass
+
+
+def _int(value: Any, where: str, low: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise Malformed(f"{where} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _optional_int(value: Any, where: str) -> Optional[int]:
+    return None if value is None else _int(value, where)
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise Malformed(f"{where} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _dict(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise Malformed(f"{where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_meta(raw: Any, where: str) -> dict:
+    """dump.json: its format, version and layout; the rest is description."""
+    meta = _dict(raw, where)
+    if meta.get("format") != FORMAT:
+        raise Malformed(f"{where}: not a megalign dump (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise Malformed(f"{where}: dump format version {meta.get('version')!r} is not supported "
+                        f"(this megalign reads version {VERSION})")
+    layout = _dict(meta.get("layout"), f"{where}: layout")
+    for axis in LAYOUT_AXES:
+        _int(layout.get(axis), f"{where}: layout.{axis}", low=1)
+    for axis, size in layout.items():
+        _int(size, f"{where}: layout.{axis}", low=1)
+    world = math.prod(layout.values())
+    if meta.get("world_size") != world:
+        raise Malformed(f"{where}: world_size {meta.get('world_size')!r} is not the product of the layout ({world})")
+    return meta
+
+
+def check_manifest(raw: Any, where: str, rank: int, layout: dict, rank_dir: Path) -> tuple[RankCoords, list, dict]:
+    manifest = _dict(raw, where)
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise Malformed(f"{where}: not a megalign manifest of version {VERSION}")
+    if manifest.get("rank") != rank:
+        raise Malformed(f"{where}: rank {manifest.get('rank')!r} in the folder of rank {rank}")
+    coords = RankCoords(rank=rank, **{f"{axis}_rank": _int(manifest.get(f"{axis}_rank"), f"{where}: {axis}_rank")
+                                      for axis in LAYOUT_AXES})
+    for axis in LAYOUT_AXES:
+        if getattr(coords, f"{axis}_rank") >= layout[axis]:
+            raise Malformed(f"{where}: {axis}_rank {getattr(coords, f'{axis}_rank')} is outside the layout's "
+                            f"{axis}={layout[axis]}")
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, list):
+        raise Malformed(f"{where}: tensors must be a list of records")
+    records = [check_record(r, f"{where}: tensors[{i}]", rank_dir) for i, r in enumerate(tensors)]
+    _no_duplicates(records, where)
+    extra = {k: v for k, v in manifest.items() if k != "tensors"}
+    return coords, records, extra
+
+
+def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
+    record = _dict(raw, where)
+    kind = record.get("kind")
+    if kind not in KINDS:
+        raise Malformed(f"{where}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
+    shape = record.get("shape")
+    if not isinstance(shape, list):
+        raise Malformed(f"{where}: shape must be a list of integers")
+    dtype = record.get("dtype")
+    if dtype not in DTYPES:
+        raise Malformed(f"{where}: unknown dtype {dtype!r}")
+    file, key, stats = record.get("file"), record.get("key"), record.get("stats")
+    if file is None and stats is None:
+        raise Malformed(f"{where}: a record needs a file (values) or stats (--stats-only)")
+    if file is not None:
+        check_tensor_file(_str(file, f"{where}: file"), rank_dir, where)
+        _str(key, f"{where}: key")
+    return TensorRecord(kind=kind, name=_str(record.get("name"), f"{where}: name"),
+                        order=_int(record.get("order"), f"{where}: order"),
+                        shape=[_int(n, f"{where}: shape") for n in shape], dtype=dtype,
+                        sharding=_sharding(record.get("sharding"), len(shape), where),
+                        module=record.get("module") if isinstance(record.get("module"), str) else None,
+                        layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
+                        file=file, key=key, stats=None if stats is None else _stats(stats, where))
+
+
+def check_tensor_file(name: str, rank_dir: Path, where: str) -> Path:
+    """A record's file: a plain name of a regular file in its rank folder (no path, no link, no FIFO)."""
+    if Path(name).name != name or name in (".", "..") or "/" in name or "\\" in name:
+        raise Malformed(f"{where}: file {name!r} is not a file name inside the rank folder")
+    path = rank_dir / name
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        raise Malformed(f"{where}: file {name!r} is missing from {rank_dir}") from None
+    if not stat.S_ISREG(mode):
+        raise Malformed(f"{where}: {path} is not a regular file")
+    return path
+
+
+def _sharding(raw: Any, ndim: int, where: str) -> Sharding:
+    raw = _dict(raw if raw is not None else {}, f"{where}: sharding")
+    sharding = Sharding(seq_dim=_optional_int(raw.get("seq_dim"), f"{where}: sharding.seq_dim"),
+                        tp_dim=_optional_int(raw.get("tp_dim"), f"{where}: sharding.tp_dim"),
+                        tp_parts=_int(raw.get("tp_parts", 1), f"{where}: sharding.tp_parts", low=1))
+    for dim in (sharding.seq_dim, sharding.tp_dim):
+        if dim is not None and dim >= ndim:
+            raise Malformed(f"{where}: sharding names dim {dim} of a {ndim}-dim tensor")
+    return sharding
+
+
+def _stats(raw: Any, where: str) -> TensorStats:
+    raw = _dict(raw, f"{where}: stats")
+    fields = TensorStats.__dataclass_fields__
+    if set(raw) != set(fields) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          for v in raw.values()):
+        raise Malformed(f"{where}: stats must hold the numbers {', '.join(fields)}")
+    return TensorStats.from_dict(raw)
+
+
+def _no_duplicates(records: list[TensorRecord], where: str) -> None:
+    orders, keys = set(), set()
+    for record in records:
+        if record.order in orders or (record.file and (record.file, record.key) in keys):
+            raise Malformed(f"{where}: duplicate record {record.kind} {record.name} (order {record.order})")
+        orders.add(record.order)
+        keys.add((record.file, record.key))

@@ -1,0 +1,100 @@
+"""From what a user typed to a validated RunSpec: every user mistake is caught here, before a launch."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from megalign.alignment.spec import Layout, ModelConfig, RunSpec
+from megalign.alignment.errors import UserError, compile_pattern
+from megalign.alignment.run.staging import check_out
+from megalign.alignment.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
+
+
+@dataclass
+class RunRequest:
+    mode: str
+    out: Path
+    config: Optional[Path] = None
+    tokens: Optional[Path] = None
+    seq_len: Optional[int] = None
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    device: str = "auto"
+    dtype: str = "fp32"
+    seed: int = 1234
+    attention: str = "auto"
+    loss_norm: str = "global"
+    grad_source: str = "auto"
+    filter: Optional[str] = None
+    stats_only: bool = False
+    overwrite: bool = False
+    timeout_s: float = 600.0
+    hf: Optional[Path] = None
+    stack: str = "megatron"
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available here (torch.cuda.is_available() is False)")
+    return device
+
+
+def check_attention(attention: str, cp: int, dtype: str) -> None:
+    if attention == "te" and dtype == "fp64":
+        raise UserError("--dtype fp64 with --attention te: TransformerEngine's attention has no float64 kernels")
+    if attention == "local" and cp > 1:
+        raise UserError("--attention local (megatron's DotProductAttention) cannot run with --cp > 1; "
+                        "use --attention torch or te")
+    if attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise UserError("--attention te needs TransformerEngine, which is not installed")
+
+
+def resolve_model(request: RunRequest) -> ModelConfig:
+    """--hf derives the model from the checkpoint's config.json; else --config, else the tiny model."""
+    if request.hf is None:
+        return ModelConfig.from_yaml(request.config) if request.config else ModelConfig()
+    if request.config:
+        raise UserError("--hf and --config cannot be combined: --hf takes the model from the checkpoint's config.json")
+    from megalign.alignment.stacks.hf.checkpoint import open_checkpoint
+
+    return open_checkpoint(request.hf).model
+
+
+def check_stack(request: RunRequest) -> None:
+    if request.stack == "megatron":
+        return
+    if request.stack != "hf":
+        raise UserError(f"--stack {request.stack!r}: expected megatron or hf")
+    if request.hf is None:
+        raise UserError("--stack hf needs a checkpoint: pass --hf PATH")
+    if (request.tp, request.pp, request.cp) != (1, 1, 1):
+        raise UserError("--stack hf runs transformers in one process: --tp, --pp and --cp must be 1")
+
+
+def plan_run(request: RunRequest) -> RunSpec:
+    check_stack(request)
+    model = resolve_model(request)
+    tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
+    check_tokens(tokens, model.vocab_size)
+    seq_len = resolve_seq_len(tokens, request.seq_len)
+    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp)
+    layout.check(model, seq_len)
+    if request.filter:
+        compile_pattern("--filter", request.filter)
+    check_attention(request.attention, request.cp, request.dtype)
+    if request.timeout_s <= 0:
+        raise UserError("--timeout must be positive")
+    check_out(request.out, request.overwrite)
+    return RunSpec(mode=request.mode, out=str(request.out), model=model, layout=layout, tokens=tokens, seq_len=seq_len,
+                   device=resolve_device(request.device), dtype=request.dtype, seed=request.seed,
+                   attention=request.attention, loss_norm=request.loss_norm, grad_source=request.grad_source,
+                   filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s,
+                   hf=str(request.hf) if request.hf else None)

@@ -1,0 +1,155 @@
+"""One rank of a megatron-core forward or backward run: build, run the real schedule, dump.
+
+Started once per rank by torch's launcher (`python -m megalign.alignment.run.worker SPEC.json`), or
+in-process by `megalign ... --launcher none` under a user's own torchrun/srun. Progress and
+failures go to stdout as `@@megalign {json}` lines that the launcher reads (events.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+from megalign.alignment.spec import RunSpec
+from megalign.alignment.run.events import emit, emit_failure
+
+
+def run_worker(spec: RunSpec) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _run(spec, rank)
+    except BaseException as error:  # reported to the launcher, then re-raised so that torchrun sees a failure
+        emit_failure(rank, error)
+        raise
+
+
+def _run(spec: RunSpec, rank: int) -> None:
+    if spec.device == "cpu":
+        from megalign.alignment.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
+
+        install_import_stubs()
+        apply_cpu_patches()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megalign.alignment.stacks.megatron.capture import ActivationCapture
+    from megalign.alignment.dump.format import RankCoords
+    from megalign.alignment.dump.writer import RankWriter
+    from megalign.alignment.stacks.megatron.grads import collect_param_grads
+    from megalign.alignment.stacks.megatron.loss import token_loss
+    from megalign.alignment.dump.meta import write_dump_meta
+    from megalign.alignment.stacks.precision import precision
+    from megalign.alignment.stacks.megatron.model import build_model, load_full_weights, seeded_weights, transformer_config
+    from megalign.alignment.dump.sharding import Sharding
+    from megalign.alignment.stacks.batch import build_batch
+
+    started = time.monotonic()
+    if spec.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=spec.timeout_s))
+    layout = spec.layout
+    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
+    coords = RankCoords(rank=rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                        cp_rank=parallel_state.get_context_parallel_rank(),
+                        pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    emit("started", rank)
+
+    torch.manual_seed(spec.seed)
+    model_parallel_cuda_manual_seed(spec.seed)
+    config = transformer_config(spec)
+    model = build_model(spec, config)
+    if spec.hf:
+        from megalign.alignment.stacks.hf.checkpoint import megatron_weights, open_checkpoint
+
+        weights = megatron_weights(open_checkpoint(Path(spec.hf)))
+    else:
+        weights = seeded_weights(spec.seed, spec.model.init_method_std)
+    load_full_weights(model, spec.model, weights)
+    emit("built", rank)
+    _inject_fault(rank)
+
+    backward = spec.mode == "backward"
+    batch = build_batch(spec.tokens, spec.seq_len).as_dict()
+    if layout.cp > 1:
+        cp_group = parallel_state.get_context_parallel_group()
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    if spec.device == "cuda":
+        batch = {k: v.cuda() for k, v in batch.items()}
+    local_seq = batch["tokens"].shape[1]
+
+    writer = RankWriter(Path(spec.out), coords, stats_only=spec.stats_only, name_filter=spec.filter)
+    if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
+        for key, value in batch.items():
+            writer.add("input", key, value, Sharding(seq_dim=1))
+    capture = ActivationCapture(model, writer, spec.model, local_seq, grads=backward)
+
+    if backward:
+        # Forward-only runs never wrap in DDP: its gradient buffers would be allocated for nothing.
+        # Gradients are reduced in float32, or in float64 for the fp64 reference run.
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=spec.dtype != "fp64")
+        chunk = DistributedDataParallel(config, ddp_config, model)
+        chunk.train()
+        # The loss function normalises (--loss-norm), so finalize must not divide by the token count again.
+        config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks)
+    else:
+        chunk = model
+        chunk.train(False)
+
+    def forward_step(data_iterator, module):
+        data = next(data_iterator)
+        losses = module(data["tokens"], data["position_ids"], attention_mask=None, labels=data["labels"])
+        return losses, partial(token_loss, writer, data["loss_mask"], spec.loss_norm)
+
+    schedule = get_forward_backward_func()
+    with torch.set_grad_enabled(backward), precision(spec.dtype):
+        reduced = schedule(forward_step_func=forward_step, data_iterator=iter([batch]), model=[chunk],
+                           num_microbatches=1, seq_length=spec.seq_len, micro_batch_size=batch["tokens"].shape[0],
+                           forward_only=not backward)
+    capture.remove()
+    emit("backward" if backward else "forward", rank)
+
+    extra = {}
+    if backward:
+        extra["grad_coverage"] = collect_param_grads(model, writer, spec)
+    writer.close(extra)
+    loss = float(reduced[0]["loss"]) if reduced else None
+    emit("written", rank, tensors=len(writer.records), bytes=writer.bytes_written, loss=loss)
+    dist.barrier()
+    if rank == 0:
+        write_dump_meta(spec, elapsed_s=time.monotonic() - started)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    emit("done", rank)
+
+
+def _inject_fault(rank: int) -> None:
+    """MEGALIGN_FAULT=crash@R or hang@R makes rank R fail or hang here: how the tests check that the
+    launcher stops every worker and names the failing rank."""
+    fault = os.environ.get("MEGALIGN_FAULT", "")
+    kind, _, target = fault.partition("@")
+    if not fault or int(target or 0) != rank:
+        return
+    if kind == "crash":
+        raise RuntimeError(f"fault injected by MEGALIGN_FAULT={fault}")
+    if kind == "hang":
+        time.sleep(10 ** 6)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: python -m megalign.alignment.run.worker SPEC.json")
+    run_worker(RunSpec.from_json(Path(argv[0]).read_text()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

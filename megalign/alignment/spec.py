@@ -1,0 +1,190 @@
+"""Model and run configuration: dataclasses read from YAML (model) and from the CLI (run).
+
+The defaults of `ModelConfig` are the embedded tiny model, so that `megalign backward` runs on a
+laptop with no file at hand; configs/tiny.yaml spells the same values out for copying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+
+from megalign.alignment.errors import UserError
+
+
+# megatron parameters whose rows are the vocabulary: padded when TP does not divide vocab_size.
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# The sizes a config file must give: the defaults are the tiny model's.
+REQUIRED_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, in the terms megatron-core's TransformerConfig uses."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    kv_channels: Optional[int] = None
+    vocab_size: int = 128
+    max_position_embeddings: int = 256
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    rotary_base: float = 10000.0
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_embeddings: bool = False
+    init_method_std: float = 0.02
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> "ModelConfig":
+        try:
+            raw = yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            raise UserError(f"config file not found: {path}") from None
+        except IsADirectoryError:
+            raise UserError(f"config {path} is a folder, not a YAML file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"config {path}: unreadable ({type(e).__name__}: {e})") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise UserError(f"config {path}{where}: not valid YAML ({problem})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"config {path} must be a mapping of keys to values")
+        return cls.from_dict(raw, source=str(path), required=REQUIRED_KEYS)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config", required: tuple[str, ...] = ()) -> "ModelConfig":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(map(str, raw)) - set(fields))
+        if unknown:
+            raise UserError(f"{source}: unknown config key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+        missing = [key for key in required if key not in raw]
+        if missing:
+            # The defaults are the tiny model's: a config that leaves out a size would silently run it.
+            raise UserError(f"{source}: missing {', '.join(missing)} (required: {', '.join(required)})")
+        if "num_attention_heads" in raw and "num_query_groups" not in raw:
+            raw = {**raw, "num_query_groups": raw["num_attention_heads"]}  # multi-head attention, as HF's default
+        config = cls(**raw)
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "config") -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or isinstance(self.kv_channels, bool)
+                                             or self.kv_channels <= 0):
+            raise UserError(f"{source}: kv_channels must be a positive integer, got {self.kv_channels!r}")
+        for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or value <= 0:
+                raise UserError(f"{source}: {name} must be a finite number > 0, got {value!r}")
+        for name in ("swiglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise UserError(f"{source}: name must be a non-empty string, got {self.name!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise UserError(f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_query_groups={self.num_query_groups}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise UserError(f"{source}: hidden_size={self.hidden_size} is not a multiple of "
+                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+        if self.position_embedding not in ("rope", "learned_absolute"):
+            raise UserError(f"{source}: position_embedding must be rope or learned_absolute")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """megatron splits the vocabulary evenly over TP ranks; a checkpoint's vocab need not divide."""
+        return -(-self.vocab_size // tp) * tp
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world is split: world = tp * pp * cp (data parallel size 1)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def check(self, model: ModelConfig, seq_len: int) -> None:
+        """Raise UserError for a layout the model or sequence cannot be split into."""
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)):
+            if size < 1:
+                raise UserError(f"--{name} must be at least 1, got {size}")
+        if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
+                            f"and num_query_groups={model.num_query_groups}")
+        if model.ffn_hidden_size % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
+        if model.num_layers % self.pp:
+            raise UserError(f"--pp {self.pp} does not divide num_layers={model.num_layers}")
+        if seq_len % (2 * self.cp):
+            raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * self.cp} "
+                            f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * self.cp}")
+        if seq_len > model.max_position_embeddings:
+            raise UserError(f"sequence length {seq_len} exceeds max_position_embeddings="
+                            f"{model.max_position_embeddings}")
+
+
+Mode = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs, written to JSON by the launcher and read by every rank."""
+
+    mode: Mode
+    out: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: Layout = field(default_factory=Layout)
+    tokens: list = field(default_factory=list)  # list of token-id lists, one per sequence
+    seq_len: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
+    seed: int = 1234
+    attention: Literal["auto", "local", "torch", "te"] = "auto"
+    loss_norm: Literal["global", "local"] = "global"
+    grad_source: Literal["auto", "grad", "main_grad"] = "auto"
+    filter: Optional[str] = None
+    stats_only: bool = False
+    timeout_s: float = 600.0
+    hf: Optional[str] = None  # a Hugging Face checkpoint folder to load instead of seeded weights
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        raw = json.loads(text)
+        raw["model"] = ModelConfig(**raw["model"])
+        raw["layout"] = Layout(**raw["layout"])
+        return cls(**raw)

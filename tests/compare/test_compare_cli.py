@@ -1,0 +1,125 @@
+"""`megalign compare` on real dumps: each passing comparison has a failing twin with a planted bug."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import invoke
+from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2, copy_dump, perturb
+
+from megalign.alignment.dump.sharding import zigzag_positions
+
+
+def read_jsonl(path):
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return records[:-1], records[-1]
+
+
+def test_cp1_vs_cp2_passes(dump, tmp_path):
+    report = tmp_path / "r.jsonl"
+    result = invoke("compare", dump(*CP1), dump(*CP2), "--json", report)
+    assert result.exit_code == 0, result.output
+    rows, summary = read_jsonl(report)
+    assert summary["ok"] and summary["failed"] == 0 and summary["compared"] > 60
+    # megatron's local attention (CP=1) has submodules the CP attention has not: counted, not failed.
+    assert summary["only_a"] > 0 and {r["status"] for r in rows if "scale_mask_softmax" in r["name"]} == {"only_a"}
+    # TP-sharded parameter gradients are compared, never skipped.
+    grads = [r for r in rows if r["kind"] == "param_grad"]
+    assert grads and all(r["status"] == "pass" for r in grads)
+    assert max(r["metrics"]["max_abs_diff"] for r in rows if r["metrics"]) < 1e-5
+    assert "all compared tensors within threshold" in result.output
+
+
+def test_loss_norm_local_fails_on_parameter_gradients(dump, tmp_path):
+    report = tmp_path / "r.jsonl"
+    result = invoke("compare", dump(*CP1), dump(*CP2_LOCAL), "--json", report)
+    assert result.exit_code == 1, result.output
+    rows, summary = read_jsonl(report)
+    failed_grads = [r for r in rows if r["kind"] == "param_grad" and r["status"] == "fail"]
+    assert failed_grads and f"param_grad {failed_grads[0]['name']}" in result.output
+    # Gradients are about 2x: rel diff 1 - 4/5 = 0.2; the forward is unaffected.
+    assert all(abs(r["metrics"]["rel_diff"] - 0.2) < 0.03 for r in failed_grads)
+    assert all(r["status"] in ("pass", "only_a") for r in rows if r["kind"] == "activation")
+
+
+def test_threshold_and_tolerance_overrides(dump):
+    a, b = dump(*CP1), dump(*CP2_LOCAL)
+    assert invoke("compare", a, b, "--threshold", "0.3").exit_code == 0
+    tight = invoke("compare", a, b, "--threshold", "0.3", "--tolerance", r"linear_fc2\.weight=1e-7")
+    assert tight.exit_code == 1, tight.output
+    assert "first divergence: param_grad decoder.layers.0.mlp.linear_fc2.weight" in tight.output
+
+
+def test_filter_restricts_rows(dump, tmp_path):
+    report = tmp_path / "r.jsonl"
+    result = invoke("compare", dump(*CP1), dump(*CP2_LOCAL), "--filter", r"layers\.1\.mlp\.linear_fc1$", "--json", report)
+    rows, _ = read_jsonl(report)
+    assert {r["name"] for r in rows} == {"decoder.layers.1.mlp.linear_fc1"}
+    assert result.exit_code == 1  # its activation passes, its gradient does not
+
+
+def test_perturbed_layer_is_the_first_divergence(dump, tmp_path):
+    twin = copy_dump(dump(*CP2), tmp_path / "twin")
+    assert invoke("compare", dump(*CP1), twin).exit_code == 0
+    bad = copy_dump(dump(*CP2), tmp_path / "bad")
+    perturb(bad, "activation", "decoder.layers.0", rank=1, scale=1e-2, at=0)
+    report = tmp_path / "r.jsonl"
+    result = invoke("compare", dump(*CP1), bad, "--json", report)
+    assert result.exit_code == 1
+    rows, summary = read_jsonl(report)
+    assert summary["first_divergence"] == "activation decoder.layers.0"
+    first = next(r for r in rows if r["first_divergence"])
+    # Local position 0 of CP rank 1 is global position 8 of 32 once the zigzag is undone.
+    seq_len = first["shape_a"][0]
+    assert first["metrics"]["max_abs_index"][0] == int(zigzag_positions(seq_len // 2, 1, 2)[0]) == 8
+    assert abs(first["metrics"]["max_abs_diff"] - 1e-2) < 1e-4
+    assert "first divergence: activation decoder.layers.0" in result.output
+
+
+def test_tp2_vs_tp1_passes_and_perturbed_shard_fails(dump, tmp_path):
+    result = invoke("compare", dump(*CP1), dump(*TP2))
+    assert result.exit_code == 0, result.output
+    bad = copy_dump(dump(*TP2), tmp_path / "bad")
+    perturb(bad, "param_grad", "decoder.layers.1.mlp.linear_fc1.weight", rank=1, scale=1.0)
+    failing = invoke("compare", dump(*CP1), bad)
+    assert failing.exit_code == 1
+    assert "first divergence: param_grad decoder.layers.1.mlp.linear_fc1.weight" in failing.output
+
+
+def test_incomplete_and_foreign_inputs_exit_2(dump, tmp_path):
+    no_manifest = copy_dump(dump(*CP2), tmp_path / "no_manifest")
+    (no_manifest / "rank-00001" / "manifest.json").unlink()
+    no_meta = copy_dump(dump(*CP2), tmp_path / "no_meta")
+    (no_meta / "dump.json").unlink()
+    truncated = copy_dump(dump(*CP2), tmp_path / "truncated")
+    tensor_file = next((truncated / "rank-00000").glob("*.safetensors"))
+    tensor_file.write_bytes(tensor_file.read_bytes()[:1000])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = {no_manifest: "incomplete dump", no_meta: "incomplete dump", truncated: "unreadable",
+             empty: "not a megalign dump", tmp_path / "missing": "no such file"}
+    for path, message in cases.items():
+        result = invoke("compare", dump(*CP1), path)
+        assert result.exit_code == 2, (path, result.output)
+        assert message in result.output and "Traceback" not in result.output
+    assert invoke("compare", dump(*CP1), "--tolerance", "[=1", dump(*CP2)).exit_code == 2
+
+
+def test_json_report_and_plot(dump, tmp_path):
+    report, plot = tmp_path / "r.jsonl", tmp_path / "divergence.png"
+    result = invoke("compare", dump(*CP1), dump(*CP2_LOCAL), "--json", report, "--plot", plot)
+    assert result.exit_code == 1
+    rows, summary = read_jsonl(report)
+    assert summary["record"] == "summary" and summary["compared"] == summary["passed"] + summary["failed"]
+    assert [r["order"] for r in rows] == list(range(len(rows)))
+    assert sum(r["first_divergence"] for r in rows) == 1
+    logprobs = next(r for r in rows if r["kind"] == "logprobs")
+    assert logprobs["logprobs"]["worst_token"] is not None and logprobs["logprobs"]["p99_abs_diff"] >= 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stats_only_dumps_compare_by_summaries(dump):
+    stats = dump("backward", "--cp", "2", "--stats-only")
+    assert invoke("compare", dump(*CP1), stats).exit_code == 0
+    failing = invoke("compare", dump(*CP2_LOCAL), stats)
+    assert failing.exit_code == 1 and "stats only" in failing.output

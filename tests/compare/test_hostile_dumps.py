@@ -1,0 +1,151 @@
+"""A dump may come from anywhere: malformed or hostile ones are one line and exit 2, never a
+traceback (which compare would report as exit 1, "diverged"), a hang, or a file read outside the dump.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import save_file
+import torch
+
+from conftest import invoke
+from compare_fixtures import CP1, CP2, copy_dump
+
+SMALL = ("forward", "--filter", r"^decoder\.layers\.1\.mlp$|^logits$")  # a few tensors, quick to copy and read
+
+
+def exit_2(result, message: str = "") -> None:
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output and message in result.output, result.output
+
+
+def edit_json(path: Path, change) -> None:
+    raw = json.loads(path.read_text())
+    changed = change(raw)
+    path.write_text(json.dumps(raw if changed is None else changed))
+
+
+def first_record(raw: dict) -> dict:
+    return next(t for t in raw["tensors"] if t["kind"] != "input")
+
+
+def swap_keys(a: dict, b: dict) -> None:
+    a["key"], b["key"] = b["key"], a["key"]
+
+
+@pytest.fixture
+def victim(dump, tmp_path):
+    return copy_dump(dump(*SMALL), tmp_path / "victim")
+
+
+MANIFEST_EDITS = {
+    "tensors a dict": (lambda m: m.update(tensors={"a": 1}), "tensors must be a list"),
+    "tensors a string": (lambda m: m.update(tensors="x"), "tensors must be a list"),
+    "tensors a list of ints": (lambda m: m.update(tensors=[1, 2]), "must be a JSON object"),
+    "a record without name": (lambda m: first_record(m).__delitem__("name"), "name must be a non-empty string"),
+    "file null": (lambda m: first_record(m).update(file=None), "needs a file (values) or stats"),
+    "file an int": (lambda m: first_record(m).update(file=3), "file must be a non-empty string"),
+    "file /etc/passwd": (lambda m: first_record(m).update(file="/etc/passwd"), "is not a file name inside"),
+    "file in another dump": (lambda m: first_record(m).update(file="../../other/rank-00000/tensors-00000.safetensors"),
+                             "is not a file name inside"),
+    "dtype evil": (lambda m: first_record(m).update(dtype="evil"), "unknown dtype 'evil'"),
+    "float16 said of fp32 data": (lambda m: first_record(m).update(dtype="float16"), "says float16"),
+    "a key of another tensor": (lambda m: swap_keys(m["tensors"][0], first_record(m)), "but the manifest's record"),
+    "an unknown kind": (lambda m: first_record(m).update(kind="weights"), "unknown kind 'weights'"),
+    "a duplicate record": (lambda m: m["tensors"].append(dict(first_record(m))), "duplicate record"),
+    "a manifest that is a list": (lambda m: [m], "must be a JSON object"),
+    "a rank outside the layout": (lambda m: m.update(cp_rank=5), "outside the layout"),
+}
+
+
+@pytest.mark.parametrize("edit", MANIFEST_EDITS, ids=list(MANIFEST_EDITS))
+def test_malformed_manifest_is_exit_2(dump, victim, edit):
+    change, message = MANIFEST_EDITS[edit]
+    edit_json(victim / "rank-00000" / "manifest.json", change)
+    exit_2(invoke("compare", dump(*SMALL), victim), message)
+
+
+META_EDITS = {
+    "a list": (lambda m: [m], "must be a JSON object"),
+    "no layout": (lambda m: m.__delitem__("layout"), "layout must be a JSON object"),
+    "version 99": (lambda m: m.update(version=99), "version 99 is not supported"),
+    "a world size the layout does not give": (lambda m: m.update(world_size=4), "not the product of the layout"),
+}
+
+
+@pytest.mark.parametrize("edit", META_EDITS, ids=list(META_EDITS))
+def test_malformed_dump_json_is_exit_2(dump, victim, edit):
+    change, message = META_EDITS[edit]
+    edit_json(victim / "dump.json", change)
+    exit_2(invoke("compare", dump(*SMALL), victim), message)
+
+
+@pytest.mark.parametrize("name", ["dump.json", "rank-00000/manifest.json"])
+def test_non_utf8_json_is_exit_2(dump, victim, name):
+    (victim / name).write_bytes(b"\xff\xfe{not json")
+    exit_2(invoke("compare", dump(*SMALL), victim), "unreadable")
+
+
+def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
+    """The outside file holds exactly the tensor the record names: reading it would pass."""
+    manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())
+    record = first_record(manifest)
+    outside = tmp_path / "outside.safetensors"
+    from megalign.alignment.dump.reader import Dump
+
+    dump_b = Dump.open(victim)
+    rank = dump_b.ranks[0]
+    real = next(r for r in rank.records if r.order == record["order"])
+    save_file({real.key: dump_b.load(rank, real)}, str(outside))
+    record["file"] = "../../outside.safetensors"
+    (victim / "rank-00000" / "manifest.json").write_text(json.dumps(manifest))
+    exit_2(invoke("compare", dump(*SMALL), victim), "not a file name inside")
+    # A link inside the rank folder that leads out is refused too.
+    link = victim / "rank-00000" / "link.safetensors"
+    link.symlink_to(outside)
+    record["file"] = "link.safetensors"
+    (victim / "rank-00000" / "manifest.json").write_text(json.dumps(manifest))
+    exit_2(invoke("compare", dump(*SMALL), victim), "is not a regular file")
+
+
+def test_a_fifo_named_as_the_tensor_file_does_not_hang(dump, victim):
+    manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())
+    os.mkfifo(victim / "rank-00000" / "fifo.safetensors")
+    first_record(manifest)["file"] = "fifo.safetensors"
+    (victim / "rank-00000" / "manifest.json").write_text(json.dumps(manifest))
+    result = subprocess.run([sys.executable, "-m", "megalign", "compare", str(dump(*SMALL)), str(victim)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "is not a regular file" in result.stderr, result.stderr
+
+
+def test_a_fifo_among_plain_files_is_skipped(tmp_path):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    save_file({"x": torch.ones(3)}, str(folder / "a.safetensors"))
+    os.mkfifo(folder / "b.pt")
+    result = subprocess.run([sys.executable, "-m", "megalign", "compare", str(folder), str(folder)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_plot_with_an_unknown_suffix_is_exit_2_before_comparing(dump, tmp_path):
+    exit_2(invoke("compare", dump(*CP1), dump(*CP2), "--plot", tmp_path / "x.txt"), "must end in")
+    assert not (tmp_path / "x.txt").exists()
+
+
+@pytest.mark.parametrize("target", ["a_meta", "a_file", "b_rank"])
+def test_outputs_inside_an_input_are_refused(dump, tmp_path, target):
+    a, b = copy_dump(dump(*SMALL), tmp_path / "a"), copy_dump(dump(*SMALL), tmp_path / "b")
+    path = {"a_meta": a / "dump.json", "a_file": a / "new.jsonl", "b_rank": b / "rank-00000" / "r.png"}[target]
+    before = {p: p.read_bytes() for p in (a / "dump.json",)}
+    option = "--plot" if path.suffix == ".png" else "--json"
+    exit_2(invoke("compare", a, b, option, path), "is inside the input")
+    assert {p: p.read_bytes() for p in before} == before
+    assert not path.exists() or path.name == "dump.json"

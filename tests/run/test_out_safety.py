@@ -1,0 +1,142 @@
+"""Nothing a user made is lost: --overwrite, concurrent runs, stale staging folders, signals.
+
+Real runs through the real CLI; the concurrent-run and signal tests start megalign as a separate
+process, as a user's shell would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import invoke
+
+from test_run_errors import error_line, processes_with_env
+
+MEGALIGN = [sys.executable, "-m", "megalign"]
+
+
+def user_folder(path: Path) -> Path:
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_text("mine")
+    (path / "rank-00000").mkdir()  # even a folder named like a dump's part does not make it one
+    return path
+
+
+def test_overwrite_never_deletes_a_folder_that_is_not_a_dump(tmp_path):
+    precious = user_folder(tmp_path / "precious")
+    result = invoke("forward", "--out", precious, "--overwrite")
+    assert result.exit_code == 2
+    assert "not a megalign dump" in error_line(result)
+    assert (precious / "notes.txt").read_text() == "mine"
+
+
+def test_overwrite_refuses_the_working_folder_and_its_parents(tmp_path, monkeypatch):
+    child = tmp_path / "parent" / "child"
+    child.mkdir(parents=True)
+    (child / "work.txt").write_text("mine")
+    monkeypatch.chdir(child)
+    for out in ("..", ".", str(tmp_path)):
+        result = invoke("forward", "--out", out, "--overwrite")
+        assert result.exit_code == 2, (out, result.output)
+        assert "working folder" in error_line(result)
+    assert (child / "work.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["parent"]
+
+
+def test_overwrite_replaces_a_megalign_dump(tmp_path):
+    out = tmp_path / "out"
+    assert invoke("forward", "--out", out).exit_code == 0
+    first = json.loads((out / "dump.json").read_text())
+    result = invoke("forward", "--seed", "7", "--out", out, "--overwrite")
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "dump.json").read_text())["seed"] == 7 != first["seed"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing left beside it
+
+
+def test_a_user_folder_named_like_staging_is_kept(tmp_path):
+    mine = user_folder(tmp_path / "mydata.partial")
+    result = invoke("forward", "--out", tmp_path / "mydata")
+    assert result.exit_code == 2
+    assert "not a megalign staging folder" in error_line(result)
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "mydata").exists()
+
+
+def test_a_dead_runs_staging_folder_is_cleared(tmp_path):
+    stale = tmp_path / "out.partial"
+    (stale / "rank-00000").mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (stale / ".megalign-run").write_text(json.dumps({"pid": int(dead.stdout), "host": os.uname().nodename}))
+    result = invoke("forward", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def leftovers(scratch: Path) -> list[str]:
+    """What a run left in its temporary folder, beside torch's own compile cache (shared by every run)."""
+    return sorted(p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_"))
+
+
+def wait_for(predicate, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.2)
+
+
+def test_two_runs_with_one_out_never_mix(tmp_path):
+    out = tmp_path / "conc"
+    first = subprocess.Popen(MEGALIGN + ["backward", "--cp", "2", "--out", str(out)], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: (tmp_path / "conc.partial" / ".megalign-run").is_file())
+        second = subprocess.run(MEGALIGN + ["forward", "--seed", "7", "--out", str(out)], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert "another megalign run" in second.stderr
+    finally:
+        output, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, output
+    meta = json.loads((out / "dump.json").read_text())
+    assert (meta["mode"], meta["seed"], meta["world_size"]) == ("backward", 1234, 2)
+    manifests = [json.loads((out / f"rank-0000{r}" / "manifest.json").read_text()) for r in (0, 1)]
+    assert all(any(t["kind"] == "param_grad" for t in m["tensors"]) for m in manifests)  # both ranks are A's
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_stops_every_worker_and_leaves_nothing(tmp_path, sig):
+    marker = uuid.uuid4().hex
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, MEGALIGN_FAULT="hang@1", MEGALIGN_TEST_RUN=marker, TMPDIR=str(scratch))
+    run = subprocess.Popen(MEGALIGN + ["forward", "--cp", "2", "--out", str(tmp_path / "out")], cwd=tmp_path,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Rank 1 hangs after building the model: both workers are up once rank 0 has written its first file.
+    wait_for(lambda: len(processes_with_env(f"MEGALIGN_TEST_RUN={marker}")) >= 3)
+    time.sleep(3)
+    run.send_signal(sig)
+    _, stderr = run.communicate(timeout=60)
+    assert run.returncode == 130, stderr
+    assert f"interrupted ({sig.name})" in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]  # neither out nor out.partial
+    assert leftovers(scratch) == []  # no spec file, no torchelastic_* log folder
+    wait_for(lambda: not processes_with_env(f"MEGALIGN_TEST_RUN={marker}"), timeout=20)
+
+
+def test_a_finished_run_leaves_no_temporary_files(tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    result = subprocess.run(MEGALIGN + ["forward", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert leftovers(scratch) == []

@@ -1,0 +1,34 @@
+"""Model configs: the YAML files load, the tiny one is the embedded default, typos are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megalign.alignment.spec import ModelConfig
+from megalign.alignment.stacks.megatron.cpu_patches import PATCHES
+from megalign.alignment.errors import UserError
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_tiny_yaml_is_the_embedded_default():
+    assert ModelConfig.from_yaml(CONFIGS / "tiny.yaml") == ModelConfig()
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    assert ModelConfig.from_yaml(path).name == path.stem
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(UserError, match="unknown config key.*num_layer\\b"):
+        ModelConfig.from_dict({"num_layer": 2})
+
+
+def test_every_cpu_patch_target_still_exists_in_megatron_core():
+    """Fails loudly when a megatron-core upgrade moves what a CPU patch replaces."""
+    for patch in PATCHES:
+        patch.check()
+    assert len(PATCHES) >= 6
