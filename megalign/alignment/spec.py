@@ -15,7 +15,7 @@ from typing import Literal, Optional
 
 import yaml
 
-from megalign.alignment.errors import UserError
+from megalign.alignment.errors import UserError, read_user_text
 
 
 # megatron parameters whose rows are the vocabulary: padded when TP does not divide vocab_size.
@@ -52,14 +52,9 @@ class ModelConfig:
 
     @classmethod
     def from_yaml(cls, path: Path) -> "ModelConfig":
+        text = read_user_text(path, "config")
         try:
-            raw = yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            raise UserError(f"config file not found: {path}") from None
-        except IsADirectoryError:
-            raise UserError(f"config {path} is a folder, not a YAML file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"config {path}: unreadable ({type(e).__name__}: {e})") from None
+            raw = yaml.safe_load(text)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
@@ -147,7 +142,7 @@ class Layout:
             raise UserError(f"--tp {self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
         if model.num_layers % self.pp:
             raise UserError(f"--pp {self.pp} does not divide num_layers={model.num_layers}")
-        if seq_len % (2 * self.cp):
+        if self.cp > 1 and seq_len % (2 * self.cp):
             raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * self.cp} "
                             f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * self.cp}")
         if seq_len > model.max_position_embeddings:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from megalign.cli import backward, compare, forward
+from megalign.cli import backward, check, compare, forward
 
 app = typer.Typer(
     name="megalign",
@@ -19,6 +19,8 @@ app = typer.Typer(
 app.command("forward")(forward.forward)
 app.command("backward")(backward.backward)
 app.command("compare")(compare.compare)
+# Options check does not know go to every run it starts.
+app.command("check", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(check.check)
 
 
 def main() -> None:

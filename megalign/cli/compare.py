@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.markup import escape
@@ -21,63 +22,111 @@ _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ON
                  NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta"}
 
 
+# The options that judge and print a comparison, shared by `compare` and `check`.
+Filter = Annotated[Optional[str], typer.Option(
+    "--filter", metavar="REGEX", help="Only compare tensors whose name matches REGEX (re.search). A filter that "
+                                      "matches nothing is an error (exit 2). Default: all.")]
+Threshold = Annotated[Optional[float], typer.Option(
+    "--threshold", metavar="X", help="Relative-difference threshold for every tensor, overriding the per-kind "
+                                     "defaults (finite, >= 0). Default: per kind and precision.")]
+Tolerance = Annotated[list[str], typer.Option(
+    "--tolerance", metavar="REGEX=X", help="Threshold X for tensors whose name matches REGEX; repeatable, the last "
+                                           "match wins, beats --threshold. Default: none.")]
+AllowSkipped = Annotated[Optional[str], typer.Option(
+    "--allow-skipped", metavar="REGEX", help="Tensors matching REGEX that cannot be reassembled are skipped (and "
+                                             "named in the summary) instead of failing. Default: none.")]
+JsonOut = Annotated[Optional[Path], typer.Option(
+    "--json", metavar="FILE", help="Also write the report as JSON lines to FILE. Default: none.")]
+Plot = Annotated[Optional[Path], typer.Option(
+    "--plot", metavar="FILE", help="Also draw the relative difference per layer to FILE (.png, .svg or .pdf). "
+                                   "Default: none.")]
+Workers = Annotated[Optional[int], typer.Option(
+    "--workers", metavar="N", min=1, help="Tensors compared in parallel. Default: the CPU count.")]
+Format = Annotated[Literal["auto", "table", "plain", "markdown"], typer.Option(
+    "--format", help="How the table is printed: table (rich, for a terminal), plain (aligned text, full names), "
+                     "markdown (a CI comment). auto: table in a colour terminal, else plain.")]
+NoColor = Annotated[bool, typer.Option("--no-color", help="No colours (also NO_COLOR=1); auto format is then plain. "
+                                                          "Default: colours in a terminal.")]
+
+
+@dataclass
+class Judging:
+    """What `compare` and `check` were told about judging and printing."""
+
+    filter: Optional[str] = None
+    threshold: Optional[float] = None
+    tolerance: list[str] = field(default_factory=list)
+    allow_skipped: Optional[str] = None
+    json_out: Optional[Path] = None
+    plot: Optional[Path] = None
+    workers: Optional[int] = None
+    fmt: str = "auto"
+
+
 def compare(
     a: Path = typer.Argument(..., metavar="A", show_default=False,
                              help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors."),
     b: Path = typer.Argument(..., metavar="B", show_default=False, help="Second dump, of any of the same kinds."),
-    filter: Optional[str] = typer.Option(None, "--filter", metavar="REGEX",
-                                         help="Only compare tensors whose name matches REGEX (re.search). "
-                                              "A filter that matches nothing is an error (exit 2). Default: all."),
-    threshold: Optional[float] = typer.Option(None, "--threshold", metavar="X",
-                                              help="Relative-difference threshold for every tensor, overriding the "
-                                                   "per-kind defaults (finite, >= 0). Default: per kind and precision."),
-    tolerance: list[str] = typer.Option([], "--tolerance", metavar="REGEX=X",
-                                        help="Threshold X for tensors whose name matches REGEX; repeatable, the last "
-                                             "match wins, beats --threshold. Default: none."),
-    allow_skipped: Optional[str] = typer.Option(None, "--allow-skipped", metavar="REGEX",
-                                                help="Tensors matching REGEX that cannot be reassembled are skipped "
-                                                     "(and named in the summary) instead of failing. Default: none."),
-    json_out: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
-                                            help="Also write the report as JSON lines to FILE. Default: none."),
-    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
-                                        help="Also draw the relative difference per layer to FILE (.png, .svg or "
-                                             ".pdf). Default: none."),
-    workers: Optional[int] = typer.Option(None, "--workers", metavar="N", min=1,
-                                          help="Tensors compared in parallel. Default: the CPU count."),
-    fmt: Literal["auto", "table", "plain", "markdown"] = typer.Option(
-        "auto", "--format", help="How the table is printed: table (rich, for a terminal), plain (aligned text, full "
-                                 "names), markdown (a CI comment). auto: table in a colour terminal, else plain."),
-    no_color: bool = typer.Option(False, "--no-color", help="No colours (also NO_COLOR=1); auto format is then plain."),
+    filter: Filter = None,
+    threshold: Threshold = None,
+    tolerance: Tolerance = [],
+    reference: Optional[Path] = typer.Option(None, "--reference", metavar="R",
+                                             help="An fp64 run of the same model and tokens (megalign forward|"
+                                                  "backward --dtype fp64, any layout or stack). Each side's distance "
+                                                  "to R is its own rounding error; a tensor fails when a side's error "
+                                                  "exceeds its precision's rounding budget, and the row says which "
+                                                  "side (A, B or both). Default: per-kind thresholds on A vs B."),
+    allow_skipped: AllowSkipped = None,
+    json_out: JsonOut = None,
+    plot: Plot = None,
+    workers: Workers = None,
+    fmt: Format = "auto",
+    no_color: NoColor = False,
 ) -> None:
     """Compare two dumps tensor by tensor; exit 0 when all agree within threshold, 1 when any diverges, 2 for bad input."""
     use_color(no_color)
+    judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
+                      json_out=json_out, plot=plot, workers=workers, fmt=fmt)
+    raise typer.Exit(run_compare(a, b, reference, judging))
+
+
+def check_judging(judging: Judging, inputs: list[Path]) -> Thresholds:
+    """The bad input a comparison can be refused for before anything is read or run."""
+    check_outputs({"--json": judging.json_out, "--plot": judging.plot}, inputs)
+    return Thresholds.from_cli(judging.threshold, judging.tolerance)
+
+
+def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -> int:
+    """Compare, print the table and summary, write the reports; the exit code (2 after a one-line error)."""
     try:
-        check_outputs({"--json": json_out, "--plot": plot}, [a, b])
-        thresholds = Thresholds.from_cli(threshold, tolerance)
+        thresholds = check_judging(judging, [a, b] + ([reference] if reference else []))
         source_a, source_b = open_source(a), open_source(b)
-        report = compare_sources(source_a, source_b, thresholds, name_filter=filter, workers=workers,
-                                 allow_skipped=allow_skipped)
+        source_r = open_source(reference) if reference else None
+        report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
+                                 allow_skipped=judging.allow_skipped, reference=source_r)
     except UserError as e:
         fail(str(e), e.exit_code)
-    console.print(f"[bold]A[/] {escape(str(a))}: {escape(source_a.description)}", highlight=False, soft_wrap=True)
-    console.print(f"[bold]B[/] {escape(str(b))}: {escape(source_b.description)}", highlight=False, soft_wrap=True)
+    for side, path, source in (("A", a, source_a), ("B", b, source_b), ("R", reference, source_r)):
+        if source is not None:
+            console.print(f"[bold]{side}[/] {escape(str(path))}: {escape(source.description)}"
+                          + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
     console.print()
     print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
-                resolve_format(fmt), highlight=report.first_divergence)
+                resolve_format(judging.fmt), highlight=report.first_divergence)
     console.print()
-    _print_summary(report, allow_skipped)
+    _print_summary(report, judging.allow_skipped)
     try:
-        if json_out is not None:
+        if judging.json_out is not None:
             from megalign.alignment.compare.report import write_jsonl
 
-            write_jsonl(report, json_out)
-        if plot is not None:
+            write_jsonl(report, judging.json_out)
+        if judging.plot is not None:
             from megalign.alignment.compare.plot import plot_divergence
 
-            plot_divergence(report, plot)
+            plot_divergence(report, judging.plot)
     except OSError as e:
         fail(f"cannot write {e.filename}: {e.strerror}", 2)
-    raise typer.Exit(0 if report.summary.ok else 1)
+    return 0 if report.summary.ok else 1
 
 
 # Mean abs diff, cosine and the rest are in the --json report.
@@ -91,7 +140,7 @@ _KIND_LABEL = {"activation": "act", "activation_grad": "act_grad"}
 def _cells(row: Row, first: bool) -> list[Cell]:
     status = row.status.upper() + (" ◀ first" if first else "")
     texts = [str(row.index), _KIND_LABEL.get(row.kind, row.kind), row.name, _shape(row), *_metric_cells(row),
-             _num(row.threshold)]
+             "ref" if row.reference else _num(row.threshold)]
     return [*map(Cell, texts), Cell(status, _STATUS_STYLE[row.status]), Cell("; ".join(_notes(row)))]
 
 
@@ -116,11 +165,17 @@ def _metric_cells(row: Row) -> list[str]:
 
 def _notes(row: Row) -> list[str]:
     notes = list(row.notes)
+    if row.reference is not None:
+        ref = row.reference
+        off = f"{ref.off} off: " if ref.off else ""
+        notes.append(f"{off}rel to reference A {ref.rel_a:.3g}, B {ref.rel_b:.3g}")
     if row.logprobs is not None:
         lp = row.logprobs
         token = f", token {lp.worst_token}" if lp.worst_token is not None else ""
-        notes.append(f"logprob |diff| max {lp.max_abs_diff:.3g} mean {lp.mean_abs_diff:.3g} p99 {lp.p99_abs_diff:.3g} "
-                     f"at seq {lp.worst_sequence} pos {lp.worst_position}{token}")
+        notes.append(f"|Δlogprob| max {lp.max_abs_diff:.3g} mean {lp.mean_abs_diff:.3g} p99 {lp.p99_abs_diff:.3g} "
+                     f"(seq {lp.worst_sequence} pos {lp.worst_position}{token}); k3 KL {lp.k3_kl:.3g}; "
+                     f"p_B/p_A p1 {lp.ratio_p1:.4g} p50 {lp.ratio_p50:.4g} p99 {lp.ratio_p99:.4g}; "
+                     f"|Δ|>0.1 {lp.frac_over_0_1:.2%} >1 {lp.frac_over_1:.2%} of {lp.tokens} tokens")
     if row.metrics is not None and not isinstance(row.metrics, TensorMetrics):
         notes.append("stats only: norm/mean/std")
     return notes

@@ -43,7 +43,7 @@ def bad_files(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--config", "{d}/typo.yaml"], "unknown config key(s) hiden_size"),
-    (["--config", "{d}/missing.yaml"], "config file not found"),
+    (["--config", "{d}/missing.yaml"], "config not found"),
     (["--config", "{d}/heads.yaml", "--tp", "2"], "--tp 2 does not divide num_attention_heads=3"),
     (["--cp", "3"], "not divisible by 2*cp=6"),
     (["--tokens", "{d}/big.json"], "token id 999 outside the vocabulary [0, 128)"),
@@ -63,6 +63,7 @@ def bad_files(tmp_path):
     (["--config", "{d}/eps.yaml"], "layernorm_epsilon must be a finite number > 0, got -1"),
     (["--config", "{d}/std.yaml"], "init_method_std must be a finite number > 0, got nan"),
     (["--nnodes", "0"], "--nnodes must be at least 1"),
+    (["--dtype", "fp64", "--attention", "te"], "TransformerEngine's attention has no float64 kernels"),
     (["--nnodes", "1", "--node-rank", "3"], "--node-rank 3 is not in [0, --nnodes 1)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(bad_files, tmp_path, args, message):

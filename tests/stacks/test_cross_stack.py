@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from conftest import invoke, max_abs_diffs, tensors
+from planted import swap_query_and_key_head, with_config
 
 LOGITS_TOLERANCE = 1e-4
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -30,7 +30,9 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True, "head_dim": 32}),
 }
 # (family, megatron layout): each is one megatron backward launch.
-LAYOUTS = [("llama", ("--cp", "1")), ("llama", ("--cp", "2")), ("qwen2", ("--tp", "2")), ("qwen3", ("--cp", "2"))]
+# qwen3 at PP=2: its tied embeddings have a copy on the last stage, all-reduced at build time.
+LAYOUTS = [("llama", ("--cp", "1")), ("llama", ("--cp", "2")), ("qwen2", ("--tp", "2")), ("qwen3", ("--cp", "2")),
+           ("qwen3", ("--pp", "2"))]
 QKV0 = "decoder.layers.0.self_attention.linear_qkv"
 MEGATRON_PARAMS = {"llama": 15, "qwen2": 17, "qwen3": 18}  # qwen2: +2 qkv biases; qwen3: +4 qk norms, -1 tied output
 
@@ -49,18 +51,6 @@ def build_checkpoint(family: str, path: Path) -> Path:
                 param.normal_(0.0, 0.1)
     model.save_pretrained(path)
     return path
-
-
-def swap_query_and_key_head(source: Path, target: Path) -> Path:
-    """Layer 0: the rows of query head 0 and key head 0 trade places (a classic fused-QKV mix-up)."""
-    shutil.copytree(source, target)
-    weights = load_file(str(target / "model.safetensors"))
-    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
-    head_dim = json.loads((target / "config.json").read_text()).get("head_dim") or 16
-    q_rows, k_rows = weights[q][:head_dim].clone(), weights[k][:head_dim].clone()
-    weights[q][:head_dim], weights[k][:head_dim] = k_rows, q_rows
-    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
-    return target
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +83,9 @@ def test_megatron_matches_hf_layer_by_layer(dump, checkpoints, tmp_path, family,
     passed = {(r["kind"], r["name"]) for r in rows if r["status"] == "pass"}
     lined_up = {("activation", "embedding"), ("activation", "decoder.final_layernorm"), ("logits", "logits"),
                 ("logprobs", "logprobs"), ("loss", "loss"), ("activation", f"{QKV0}"),
+                # o_proj's and down_proj's inputs on the HF side: attention output and SwiGLU output.
+                ("activation", "decoder.layers.0.self_attention.core_attention"),
+                ("activation", "decoder.layers.1.mlp.linear_fc2#input"),
                 *(("activation", f"decoder.layers.{i}") for i in range(TINY["num_hidden_layers"]))}
     assert lined_up <= passed, lined_up - passed
     diffs = max_abs_diffs(hf_dump(dump, checkpoints, family), megatron)
@@ -147,14 +140,6 @@ def test_hf_dump_is_a_complete_megalign_dump(dump, checkpoints):
     assert not any(name.startswith("lm_head") for name in names)  # tied: one gradient, under megatron's name
 
 
-def _edit_config(source: Path, target: Path, **changes) -> Path:
-    shutil.copytree(source, target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(changes)
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
 @pytest.mark.parametrize("stack", ["megatron", "hf"])
 def test_user_errors_are_one_line_exit_2(checkpoints, tmp_path, stack):
     llama = checkpoints["llama"]
@@ -164,13 +149,13 @@ def test_user_errors_are_one_line_exit_2(checkpoints, tmp_path, stack):
     (corrupt / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes()[:1000])
     (tmp_path / "big.json").write_text("[[1, 2, 127]]")
     cases = [
-        (["--hf", _edit_config(llama, tmp_path / "mistral", model_type="mistral",
+        (["--hf", with_config(llama, tmp_path / "mistral", model_type="mistral",
                                architectures=["MistralForCausalLM"])],
          "unsupported architecture MistralForCausalLM; supported: LlamaForCausalLM"),
         (["--hf", missing], "no safetensors weights"),
         (["--hf", corrupt], "corrupt safetensors file"),
-        (["--hf", _edit_config(llama, tmp_path / "gelu", hidden_act="gelu")], "only silu"),
-        (["--hf", _edit_config(llama, tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})],
+        (["--hf", with_config(llama, tmp_path / "gelu", hidden_act="gelu")], "only silu"),
+        (["--hf", with_config(llama, tmp_path / "yarn", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})],
          "RoPE scaling 'yarn' is not supported"),
         (["--hf", checkpoints["qwen2"], "--tokens", tmp_path / "big.json"],
          "token id 127 outside the vocabulary [0, 127)"),

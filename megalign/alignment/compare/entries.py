@@ -51,6 +51,7 @@ class Source:
     description: str
     entries: list[Entry]
     precision: Optional[str] = None  # the run's dtype where the format records it
+    model: Optional[dict] = None  # the model's config where the format records it
 
 
 def phase(kind: Optional[str]) -> int:

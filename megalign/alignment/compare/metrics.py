@@ -68,7 +68,13 @@ class StatsMetrics(_Agreement):
 
 @dataclass
 class LogprobMetrics:
-    """Per-position absolute differences of two logprob tensors."""
+    """How two runs' token logprobs differ, in the figures RL users quote for train/inference mismatch.
+
+    Over the positions that have a label (the loss mask), with delta = logprob_B - logprob_A and the
+    probability ratio r = exp(delta) = p_B / p_A: max, mean and p99 of |delta|; k3 = mean((r - 1) -
+    log r), the k3 estimator of KL(A || B) for tokens drawn from A (never negative, 0 iff equal);
+    percentiles of r; the fraction of tokens with |delta| over 0.1 and over 1.0.
+    """
 
     max_abs_diff: float
     mean_abs_diff: float
@@ -76,6 +82,15 @@ class LogprobMetrics:
     worst_sequence: int
     worst_position: int
     worst_token: Optional[int]
+    tokens: int  # positions compared
+    k3_kl: float
+    ratio_min: float
+    ratio_p1: float
+    ratio_p50: float
+    ratio_p99: float
+    ratio_max: float
+    frac_over_0_1: float
+    frac_over_1: float
 
 
 def rel_diff_of_sums(sum_sq_diff: float, sum_sq: float) -> float:
@@ -150,19 +165,31 @@ def stats_metrics(a: TensorStats, b: TensorStats) -> StatsMetrics:
                         std_a=a.std, std_b=b.std, nan_a=a.nan, nan_b=b.nan, inf_a=a.inf, inf_b=b.inf)
 
 
-def logprob_metrics(x: torch.Tensor, y: torch.Tensor, tokens: Optional[torch.Tensor]) -> LogprobMetrics:
-    """x, y: [sequences, positions] (or flat [tokens]); tokens: the input ids of the same shape, if known."""
-    diff = (x.to(torch.float64) - y.to(torch.float64)).abs()
-    diff = diff.nan_to_num(nan=math.inf)  # a NaN on one side is the worst position there is
-    flat = diff.reshape(-1)
-    worst = int(flat.argmax())
+def logprob_metrics(x: torch.Tensor, y: torch.Tensor, tokens: Optional[torch.Tensor],
+                    mask: Optional[torch.Tensor] = None) -> LogprobMetrics:
+    """x, y: [sequences, positions] (or flat [tokens]); tokens and mask (the loss mask): the inputs of the
+    same shape, if known. Positions without a label are left out when the mask is known."""
+    delta = (y.to(torch.float64) - x.to(torch.float64)).nan_to_num(nan=math.inf)  # NaN on one side: the worst
+    keep = mask.reshape(-1) > 0 if mask is not None and mask.shape == x.shape else torch.ones(x.numel(), dtype=torch.bool)
+    if not keep.any():
+        keep = torch.ones(x.numel(), dtype=torch.bool)
+    flat = delta.reshape(-1)
+    masked_abs = flat.abs().masked_fill(~keep, -1.0)
+    worst = int(masked_abs.argmax())
     index = unravel(worst, list(x.shape)) if x.ndim >= 2 else [0, worst]
-    p99 = float(flat.kthvalue(max(1, math.ceil(0.99 * flat.numel()))).values)
-    token = None
-    if tokens is not None and tokens.shape == x.shape:
-        token = int(tokens.reshape(-1)[worst])
-    return LogprobMetrics(max_abs_diff=float(flat[worst]), mean_abs_diff=float(flat.mean()), p99_abs_diff=p99,
-                          worst_sequence=index[0], worst_position=index[-1], worst_token=token)
+    kept = flat[keep]
+    absolute = kept.abs()
+    ratio = kept.clamp(max=700.0).exp()  # exp(709) overflows float64
+    ratios = torch.quantile(ratio, torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64)).tolist() \
+        if torch.isfinite(ratio).all() else [math.nan] * 3
+    token = int(tokens.reshape(-1)[worst]) if tokens is not None and tokens.shape == x.shape else None
+    return LogprobMetrics(max_abs_diff=float(absolute.max()), mean_abs_diff=float(absolute.mean()),
+                          p99_abs_diff=float(absolute.kthvalue(max(1, math.ceil(0.99 * absolute.numel()))).values),
+                          worst_sequence=index[0], worst_position=index[-1], worst_token=token,
+                          tokens=int(kept.numel()), k3_kl=float(((ratio - 1) - kept).mean()),
+                          ratio_min=float(ratio.min()), ratio_p1=ratios[0], ratio_p50=ratios[1], ratio_p99=ratios[2],
+                          ratio_max=float(ratio.max()), frac_over_0_1=float((absolute > 0.1).double().mean()),
+                          frac_over_1=float((absolute > 1.0).double().mean()))
 
 
 def unravel(flat_index: int, shape: list[int]) -> list[int]:

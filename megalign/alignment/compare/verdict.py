@@ -22,6 +22,8 @@ from megalign.alignment.compare.metrics import (LogprobMetrics, StatsMetrics, Te
                                         stats_metrics, tensor_metrics)
 from megalign.alignment.compare.entries import Entry, Source, Value
 from megalign.alignment.dump.stats import TensorStats
+from megalign.alignment.compare import absent
+from megalign.alignment.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.alignment.compare.thresholds import Thresholds, precision_of
 
 # Statuses. A tensor on one side only is legitimate (different attention kernels have different
@@ -49,6 +51,7 @@ class Row:
     logprobs: Optional[LogprobMetrics] = None
     replica_diff_a: Optional[float] = None
     replica_diff_b: Optional[float] = None
+    reference: Optional[ReferenceVerdict] = None  # with --reference: each side's distance to R, and which is off
     notes: list[str] = field(default_factory=list)
 
 
@@ -92,15 +95,19 @@ class NothingCompared(UserError):
 
 
 def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
-                    workers: Optional[int] = None, allow_skipped: Optional[str] = None) -> Report:
-    """Compare every tensor the two sources share; NothingCompared when not one pair was compared."""
+                    workers: Optional[int] = None, allow_skipped: Optional[str] = None,
+                    reference: Optional[Source] = None) -> Report:
+    """Compare every tensor the two sources share; NothingCompared when not one pair was compared.
+    With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds."""
     pattern = compile_pattern("--filter", name_filter) if name_filter else None
     skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None
     matched = match_entries(a, b)
     pairs = [p for p in matched if pattern is None or pattern.search(p.name)]
     if not pairs:
         raise NothingCompared(f"--filter {name_filter!r} matches none of the {len(matched)} tensors: nothing compared")
-    tokens = _tokens(a, b) if any(p.kind == "logprobs" and p.a and p.b for p in pairs) else None
+    if reference is not None:
+        check_reference(reference, a, b)
+    comparison = _Comparison(a, b, thresholds, reference)
     workers = workers or os.cpu_count() or 1
     # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
     # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
@@ -108,7 +115,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            rows = list(pool.map(lambda ip: _compare_pair(ip[0], ip[1], a, b, thresholds, tokens), enumerate(pairs)))
+            rows = list(pool.map(lambda ip: comparison.row(*ip), enumerate(pairs)))
     finally:
         torch.set_num_threads(torch_threads)
     for row in rows:
@@ -155,61 +162,91 @@ def _pair(a: Optional[Entry], b: Optional[Entry]) -> _Pair:
     return _Pair(kind=kind, name=(a or b).name, a=a, b=b)
 
 
+@dataclass
+class _Comparison:
+    a: Source
+    b: Source
+    thresholds: Thresholds
+    reference: Optional[Source] = None
+
+    def __post_init__(self):
+        self.tokens = _tokens(self.a, self.b)
+        self.loss_mask = _input(self.a, self.b, "loss_mask")
+        self.in_reference = {(e.kind, e.name): e for e in self.reference.entries} if self.reference else {}
+        self.kinds_a, self.kinds_b = {e.kind for e in self.a.entries}, {e.kind for e in self.b.entries}
+
+    def row(self, index: int, pair: _Pair) -> Row:
+        layer = pair.a.layer if pair.a else pair.b.layer
+        row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
+        if pair.a is None or pair.b is None:
+            why = absent.reason(pair.kind, pair.name, self.kinds_b if pair.b is None else self.kinds_a)
+            row.notes += [why] if why else []
+            return _one_side(row, pair)
+        x, y = pair.a.load(), pair.b.load()
+        row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype
+        row.replica_diff_a, row.replica_diff_b = x.replica_diff, y.replica_diff
+        for side, value in (("A", x), ("B", y)):
+            if value.replica_diff is not None and not math.isfinite(value.replica_diff):
+                row.notes.append(f"{side}: replicas disagree on where NaN/Inf are")
+            elif value.replica_diff:
+                row.notes.append(f"{side}: replicas differ by {value.replica_diff:.3g}")
+        problems = [f"{side}: {v.problem}" for side, v in (("A", x), ("B", y)) if v.problem]
+        if problems:
+            row.status = NOT_REASSEMBLABLE
+            row.notes += problems
+            return row
+        if list(x.shape) != list(y.shape):
+            row.status = SHAPE_MISMATCH
+            return row
+        if x.dtype != y.dtype:
+            row.dtype_mismatch = True
+            row.notes.append(f"dtype {x.dtype} vs {y.dtype}, compared in float64")
+        precision_a, precision_b = precision_of(self.a.precision, x.dtype), precision_of(self.b.precision, y.dtype)
+        row.threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision_of(precision_a, precision_b))
+        row.metrics = _metrics(x, y)
+        if pair.kind == "logprobs" and x.tensor is not None and y.tensor is not None:
+            row.logprobs = logprob_metrics(x.tensor, y.tensor, self.tokens, self.loss_mask)
+        m = row.metrics
+        diverged = not (m.rel_diff <= row.threshold)  # NaN compares false: diverged
+        if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
+            where = "at different positions or signs" if m.nonfinite_mismatch else "at the same positions on both sides"
+            row.notes.append(f"NaN/Inf {where}: A {m.nan_a} NaN {m.inf_a} Inf, B {m.nan_b} NaN {m.inf_b} Inf")
+        r = self.in_reference.get((pair.kind, pair.name))
+        if r is not None and x.tensor is not None and y.tensor is not None:
+            truth = r.load()
+            if truth.tensor is not None and list(truth.shape) == list(x.shape):
+                row.reference = judge(pair.kind, tensor_metrics(x.tensor, truth.tensor).rel_diff,
+                                      tensor_metrics(y.tensor, truth.tensor).rel_diff, precision_a, precision_b)
+                diverged = row.reference.off is not None
+                row.threshold = None  # the reference judged this row, not a threshold
+        replicas_nonfinite = any(v.replica_diff is not None and not math.isfinite(v.replica_diff) for v in (x, y))
+        row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_nonfinite else PASS
+        return row
+
+
+def _one_side(row: Row, pair: _Pair) -> Row:
+    entry = pair.a or pair.b
+    shape, dtype = entry.shape, entry.dtype
+    if shape is None:
+        value = entry.load()
+        shape, dtype = value.shape, value.dtype
+    row.status = ONLY_B if pair.a is None else ONLY_A
+    row.shape_a, row.dtype_a = (shape, dtype) if pair.a else (None, None)
+    row.shape_b, row.dtype_b = (shape, dtype) if pair.b else (None, None)
+    return row
+
+
 def _tokens(a: Source, b: Source) -> Optional[torch.Tensor]:
     """Input token ids, to name the token at the worst logprob position."""
+    return _input(a, b, "tokens")
+
+
+def _input(a: Source, b: Source, name: str) -> Optional[torch.Tensor]:
     for source in (a, b):
         for entry in source.entries:
-            if entry.kind == "input" and entry.name == "tokens":
+            if entry.kind == "input" and entry.name == name:
                 return entry.load().tensor
     return None
-
-
-def _compare_pair(index: int, pair: _Pair, a: Source, b: Source, thresholds: Thresholds,
-                  tokens: Optional[torch.Tensor]) -> Row:
-    layer = pair.a.layer if pair.a else pair.b.layer
-    row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
-    if pair.a is None or pair.b is None:
-        entry = pair.a or pair.b
-        shape, dtype = entry.shape, entry.dtype
-        if shape is None:
-            value = entry.load()
-            shape, dtype = value.shape, value.dtype
-        row.status = ONLY_B if pair.a is None else ONLY_A
-        row.shape_a, row.dtype_a = (shape, dtype) if pair.a else (None, None)
-        row.shape_b, row.dtype_b = (shape, dtype) if pair.b else (None, None)
-        return row
-    x, y = pair.a.load(), pair.b.load()
-    row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype
-    row.replica_diff_a, row.replica_diff_b = x.replica_diff, y.replica_diff
-    for side, value in (("A", x), ("B", y)):
-        if value.replica_diff is not None and not math.isfinite(value.replica_diff):
-            row.notes.append(f"{side}: replicas disagree on where NaN/Inf are")
-        elif value.replica_diff:
-            row.notes.append(f"{side}: replicas differ by {value.replica_diff:.3g}")
-    problems = [f"{side}: {v.problem}" for side, v in (("A", x), ("B", y)) if v.problem]
-    if problems:
-        row.status = NOT_REASSEMBLABLE
-        row.notes += problems
-        return row
-    if list(x.shape) != list(y.shape):
-        row.status = SHAPE_MISMATCH
-        return row
-    if x.dtype != y.dtype:
-        row.dtype_mismatch = True
-        row.notes.append(f"dtype {x.dtype} vs {y.dtype}, compared in float64")
-    row.threshold = thresholds.for_tensor(pair.kind, pair.name,
-                                          precision_of(a.precision, b.precision, x.dtype, y.dtype))
-    row.metrics = _metrics(x, y)
-    if pair.kind == "logprobs" and x.tensor is not None and y.tensor is not None:
-        row.logprobs = logprob_metrics(x.tensor, y.tensor, tokens)
-    diverged = not (row.metrics.rel_diff <= row.threshold)  # NaN compares false: diverged
-    m = row.metrics
-    if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
-        where = "at different positions or signs" if m.nonfinite_mismatch else "at the same positions on both sides"
-        row.notes.append(f"NaN/Inf {where}: A {m.nan_a} NaN {m.inf_a} Inf, B {m.nan_b} NaN {m.inf_b} Inf")
-    replicas_nonfinite = any(v.replica_diff is not None and not math.isfinite(v.replica_diff) for v in (x, y))
-    row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_nonfinite else PASS
-    return row
 
 
 def _metrics(x: Value, y: Value) -> Union[TensorMetrics, StatsMetrics]:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from megalign.alignment.errors import UserError
+from megalign.alignment.errors import UserError, read_user_text
 
 # Two sequences of different lengths, so that padding and uneven CP token counts are exercised.
 DEFAULT_LENGTHS = (32, 20)
@@ -22,14 +22,9 @@ def default_tokens(vocab_size: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> l
 
 def load_tokens(path: Path) -> list[list[int]]:
     """Read `[[ids...], ...]` or `{"tokens": [[ids...], ...]}` from a JSON file."""
+    text = read_user_text(path, "tokens file")
     try:
-        raw = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"tokens file not found: {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"tokens file {path} is a folder") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"tokens file {path}: unreadable ({type(e).__name__}: {e})") from None
+        raw = json.loads(text)
     except RecursionError:
         raise UserError(f"tokens file {path} is nested too deeply; expected [[ids...], ...]") from None
     except json.JSONDecodeError as e:

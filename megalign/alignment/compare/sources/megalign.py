@@ -31,7 +31,7 @@ def open_megalign(path: Path) -> Source:
                    f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}, {meta.get('dtype', '?')}"
                    + (", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
-                  precision=meta.get("dtype"))
+                  precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None)
 
 
 def _order(shard: Shard) -> tuple:

@@ -28,6 +28,9 @@ class Rule:
     # output is written some other way (the logits, from the model's output).
     activation: Optional[str] = SAME
     params: bool = True  # False: the megatron module holds no parameter of its own here
+    # "output": the HF module's output; "input": its first input (forward pre-hook), for computations
+    # that are a module in one stack and a bare function in the other.
+    on: str = "output"
 
     def expand(self, layer: int) -> "Rule":
         return replace(self, megatron=self.megatron.format(i=layer), hf=tuple(h.format(i=layer) for h in self.hf))
@@ -52,10 +55,14 @@ def _decoder_rules(qk_norm: bool = False) -> tuple[Rule, ...]:
              (f"{_L}.self_attn.q_proj", f"{_L}.self_attn.k_proj", f"{_L}.self_attn.v_proj"), join="qkv"),
         *((Rule(f"{_M}.self_attention.q_layernorm", (f"{_L}.self_attn.q_norm",)),
            Rule(f"{_M}.self_attention.k_layernorm", (f"{_L}.self_attn.k_norm",))) if qk_norm else ()),
+        # The attention output before the output projection: megatron's core_attention module, o_proj's input.
+        Rule(f"{_M}.self_attention.core_attention", (f"{_L}.self_attn.o_proj",), params=False, on="input"),
         Rule(f"{_M}.self_attention.linear_proj", (f"{_L}.self_attn.o_proj",)),
         Rule(f"{_M}.self_attention", (f"{_L}.self_attn",), params=False),
         Rule(f"{_M}.pre_mlp_layernorm", (f"{_L}.post_attention_layernorm",)),
         Rule(f"{_M}.mlp.linear_fc1", (f"{_L}.mlp.gate_proj", f"{_L}.mlp.up_proj"), join="cat"),
+        # SwiGLU's output, act(gate) * up: a bare function in both stacks, so the down projection's input.
+        Rule(f"{_M}.mlp.linear_fc2#input", (f"{_L}.mlp.down_proj",), params=False, on="input"),
         Rule(f"{_M}.mlp.linear_fc2", (f"{_L}.mlp.down_proj",)),
         Rule(f"{_M}.mlp", (f"{_L}.mlp",), params=False),
         Rule(_M, (_L,), params=False),

@@ -45,10 +45,11 @@ class NameMap:
             block = []
             if rule is not None:
                 self.rules.append(rule)
-        self._by_hf_module = {hf: rule for rule in self.rules for hf in rule.hf}
+        self._by_hf_module = {(hf, rule.on): rule for rule in self.rules for hf in rule.hf}
 
-    def rule_for_hf_module(self, hf_module: str) -> Optional[Rule]:
-        return self._by_hf_module.get(hf_module)
+    def rule_for_hf_module(self, hf_module: str, on: str = "output") -> Optional[Rule]:
+        """The rule that writes `hf_module`'s output (or, on="input", its first input)."""
+        return self._by_hf_module.get((hf_module, on))
 
     def join(self, rule: Rule, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         if rule.join == "qkv":

@@ -93,6 +93,9 @@ class HFCapture:
             if not name or (rule is not None and rule.activation is None):
                 continue  # the root's output is the loss; lm_head's are the logits, written from the output
             self.handles.append(module.register_forward_hook(self._hook(name, rule)))
+            takes = names.rule_for_hf_module(name, on="input")
+            if takes is not None:
+                self.handles.append(module.register_forward_pre_hook(self._input_hook(name, takes)))
 
     def _hook(self, name: str, rule: Rule | None):
         def record(module, inputs, output):
@@ -104,6 +107,12 @@ class HFCapture:
                     self._part(rule, name, tensor)
                 else:
                     self._hf_only(f"{name}#{index}" if index else name, tensor)
+
+        return record
+
+    def _input_hook(self, name: str, rule: Rule):
+        def record(module, inputs):
+            self._part(rule, name, inputs[0])
 
         return record
 

@@ -22,7 +22,8 @@ from megalign.alignment.dump.sharding import Sharding
 
 _TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")
 _QK_NORMS = ("q_layernorm", "k_layernorm")
-LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
+LOGITS_MODULE = "output_layer"
+INPUT_CAPTURED = ".mlp.linear_fc2"  # modules whose input is dumped too, as `<name>#input`  # its first output is the logits, [s, b, vocab/tp]
 
 
 def output_sharding(module: torch.nn.Module, name: str, index: int, tensor: torch.Tensor, local_seq: int,
@@ -64,6 +65,8 @@ class ActivationCapture:
                 continue  # every stage computes the same table; the first one dumps it
             name = global_name(model, local)
             self.handles.append(module.register_forward_hook(self._hook(name)))
+            if local.endswith(INPUT_CAPTURED):
+                self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
 
     def _hook(self, name: str):
         def record(module, inputs, output):
@@ -78,6 +81,17 @@ class ActivationCapture:
                     kind, key = "logits", "logits"
                     sharding, view = logits_layout(self.model_config, sharding)
                 self._record(kind, key, name, tensor, sharding, view)
+
+        return record
+
+    def _input_hook(self, name: str):
+        """The down projection's input: SwiGLU's output, a bare function with no module of its own.
+        A row-parallel linear's input has its last dim split over TP ranks."""
+        def record(module, inputs):
+            tensor = inputs[0]
+            tp_dim = tensor.ndim - 1 if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
+            seq_dim = 0 if tensor.ndim > 0 and tensor.shape[0] == self.local_seq else None
+            self._record("activation", f"{name}#input", name, tensor, Sharding(seq_dim=seq_dim, tp_dim=tp_dim))
 
         return record
 

@@ -38,9 +38,12 @@ def install_import_stubs() -> None:
     sys.modules[PAGED_STASH] = stub
 
 
+_MISSING = object()
+
+
 @dataclass(frozen=True)
 class Patch:
-    targets: tuple[str, ...]  # "module:attribute" names this patch replaces
+    targets: tuple[str, ...]  # "module:attribute" (or "module:Class.method") names this patch replaces
     why: str
     apply: Callable[[], None]
 
@@ -48,8 +51,11 @@ class Patch:
         """Raise if an installed megatron-core (or torch) no longer has a target."""
         install_import_stubs()
         for target in self.targets:
-            module_name, attr = target.split(":")
-            if not hasattr(importlib.import_module(module_name), attr):
+            module_name, path = target.split(":")
+            owner = importlib.import_module(module_name)
+            for attr in path.split("."):
+                owner = getattr(owner, attr, _MISSING)
+            if owner is _MISSING:
                 raise RuntimeError(f"CPU patch target {target} no longer exists ({self.why}); "
                                    f"megalign's cpu_patches needs updating for this megatron-core")
 
@@ -114,8 +120,14 @@ def _cpu_schedules():
         setattr(schedules, name, _on_cpu(getattr(schedules, name)))
 
 
+def _cpu_tied_embeddings():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+
+
 def _on_cpu(schedule):
-    """Run a schedule with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU."""
+    """Run a schedule (or any megatron function) with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU."""
     from torch.overrides import TorchFunctionMode
 
     def is_cuda(device) -> bool:
@@ -156,6 +168,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(("megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
            "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving"),
           "the schedules allocate total_num_tokens (and PP's p2p buffers) with device='cuda'", _cpu_schedules),
+    Patch(("megatron.core.models.common.language_module.language_module:LanguageModule."
+           "setup_embeddings_and_output_layer",),
+          "with tied embeddings under PP the last stage's copy of the embeddings is moved with .cuda() before "
+          "its all-reduce", _cpu_tied_embeddings),
 )
 
 _applied = False

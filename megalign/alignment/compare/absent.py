@@ -1,0 +1,31 @@
+"""Why a tensor is on one side only: the reason printed in its row.
+
+Stacks and attention kernels expose different submodules; these are the ones megalign knows. A
+tensor with no known reason is still reported (only_a / only_b), with no note.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+REASONS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern), reason) for pattern, reason in (
+    (r"core_attention\.(scale_mask_softmax|attention_dropout)$",
+     "inside megatron's local attention; other attention kernels do not expose it"),
+    (r"self_attn#1$", "HF's attention probabilities; megatron's local attention has them inside core_attention"),
+    (r"(^rotary_pos_emb|rotary_emb(#\d+)?)$", "the RoPE table: each stack lays it out its own way"),
+    (r"^embedding\.embedding_dropout$", "megatron's embedding dropout (off); its output is the `embedding` row"),
+    (r"^embedding\.word_embeddings$", "megatron's batch-first lookup; the `embedding` row holds the same values"),
+    (r"^decoder$", "megatron's decoder block: its output is the `decoder.final_layernorm` row"),
+    (r"mlp\.act_fn$", "SiLU(gate) alone, fused into SwiGLU by megatron; SwiGLU's output is linear_fc2#input"),
+))
+
+
+def reason(kind: str, name: str, other_kinds: set[str]) -> Optional[str]:
+    """`other_kinds`: the kinds the other side holds at all."""
+    if kind not in other_kinds:
+        return f"the other side has no {kind} tensors at all"
+    for pattern, text in REASONS:
+        if pattern.search(name):
+            return text
+    return None

@@ -1,0 +1,85 @@
+"""`megalign check`: run a baseline and a target (and, with --reference, an fp64 run), then compare.
+
+What users otherwise script by hand:
+
+    megalign check --hf CKPT --baseline "--stack hf" --target "--tp 3"
+    megalign check --baseline "--cp 1" --target "--cp 2" --reference
+
+Options check does not know itself go to every run (--hf, --config, --tokens, --seq-len, --seed,
+...); --baseline and --target add their own. Each run is a real `megalign forward|backward`
+process, so its progress and errors read as they always do.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal, Optional
+
+import typer
+
+from megalign.alignment.errors import UserError
+from megalign.cli.compare import (AllowSkipped, Filter, Format, Judging, JsonOut, NoColor, Plot, Threshold, Tolerance,
+                                  Workers, check_judging, run_compare)
+from megalign.cli.render import console, fail, use_color
+
+RUNS_HELP = ("Run options for {side} only, in one quoted string, e.g. \"--stack hf\" or \"--cp 2 --tp 2\". "
+             "Default: none.")
+
+
+def check(
+    ctx: typer.Context,
+    baseline: str = typer.Option("", "--baseline", metavar="ARGS", help=RUNS_HELP.format(side="the baseline (A)")),
+    target: str = typer.Option("", "--target", metavar="ARGS", help=RUNS_HELP.format(side="the target (B)")),
+    reference: bool = typer.Option(False, "--reference",
+                                   help="Also run the baseline with --dtype fp64 and judge A and B against it "
+                                        "(compare --reference). Default: per-kind thresholds."),
+    mode: Literal["forward", "backward"] = typer.Option("backward", "--mode", help="Which pass the runs dump."),
+    out: Path = typer.Option(Path("dumps/check"), "--out", "-o", metavar="DIR",
+                             help="Folder for the runs' dumps: DIR/baseline, DIR/target, DIR/reference."),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="Replace the dumps of an earlier check in --out (only megalign dumps are "
+                                        "ever replaced). Default: refuse existing dumps."),
+    filter: Filter = None,
+    threshold: Threshold = None,
+    tolerance: Tolerance = [],
+    allow_skipped: AllowSkipped = None,
+    json_out: JsonOut = None,
+    plot: Plot = None,
+    workers: Workers = None,
+    fmt: Format = "auto",
+    no_color: NoColor = False,
+) -> None:
+    """Run a baseline and a target (any options of forward/backward) and compare them: exit 0 when they agree, 1 when
+    they diverge or a run crashed, 2 for bad input."""
+    use_color(no_color)
+    judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
+                      json_out=json_out, plot=plot, workers=workers, fmt=fmt)
+    runs = {"baseline": baseline, "target": target}
+    if reference:
+        runs["reference"] = f"{baseline} --dtype fp64"
+    try:
+        check_judging(judging, [out])
+        argv = {name: _run_argv(mode, ctx.args, extra, out / name, overwrite) for name, extra in runs.items()}
+    except UserError as e:
+        fail(str(e), e.exit_code)
+    for name, command in argv.items():
+        console.print(f"[bold]{name}[/]: megalign {shlex.join(command[3:])}", highlight=False, soft_wrap=True)
+        code = subprocess.run(command).returncode
+        if code != 0:
+            fail(f"the {name} run failed (exit {code}); nothing compared", 2 if code == 2 else 1)
+    raise typer.Exit(run_compare(out / "baseline", out / "target", out / "reference" if reference else None, judging))
+
+
+def _run_argv(mode: str, shared: list[str], extra: str, out: Path, overwrite: bool) -> list[str]:
+    try:
+        own = shlex.split(extra)
+    except ValueError as e:
+        raise UserError(f"cannot split {extra!r} into options: {e}") from None
+    for option in ("--out", "-o", "--overwrite"):
+        if option in shared or option in own:
+            raise UserError(f"{option} is check's own option: it names each run's folder inside --out")
+    return [sys.executable, "-m", "megalign", mode, *shared, *own, "--out", str(out)] + \
+        (["--overwrite"] if overwrite else [])

@@ -1,0 +1,41 @@
+"""`megalign check`: a baseline and a target run (and an fp64 reference) and their comparison, in one command."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import invoke
+
+
+def test_check_runs_both_and_passes(tmp_path):
+    out = tmp_path / "check"
+    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2", "--reference", "--out", out,
+                    "--json", tmp_path / "r.jsonl")
+    assert result.exit_code == 0, result.output
+    assert {p.name for p in out.iterdir()} == {"baseline", "target", "reference"}
+    assert json.loads((out / "reference" / "dump.json").read_text())["dtype"] == "fp64"
+    summary = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])
+    assert summary["ok"] and summary["compared"] > 60
+    assert "all compared tensors within threshold" in result.output
+
+
+def test_check_catches_the_loss_bug_and_names_the_side(tmp_path):
+    """The failing twin: the target divides the loss per CP rank. Options check does not know (--seed)
+    go to every run."""
+    result = invoke("check", "--seed", "5", "--baseline", "--cp 1", "--target", "--cp 2 --loss-norm local",
+                    "--reference", "--out", tmp_path / "check")
+    assert result.exit_code == 1, result.output
+    assert "first divergence: loss loss" in result.output and "B off" in result.output
+    seeds = {json.loads((tmp_path / "check" / run / "dump.json").read_text())["seed"] for run in ("baseline", "target")}
+    assert seeds == {5}
+
+
+def test_a_failing_run_stops_check_with_its_error(tmp_path, capfd):
+    bad_input = invoke("check", "--baseline", "--cp 1", "--target", "--tp 3", "--out", tmp_path / "a")
+    assert bad_input.exit_code == 2
+    assert "the target run failed (exit 2)" in bad_input.output
+    assert "error: --tp 3 does not divide" in capfd.readouterr().err  # the run's own error, from its process
+    unsplittable = invoke("check", "--target", '--cp "2', "--out", tmp_path / "b")
+    assert unsplittable.exit_code == 2 and "cannot split" in unsplittable.output
+    own_option = invoke("check", "--target", "--out x", "--out", tmp_path / "c")
+    assert own_option.exit_code == 2 and "--out is check's own option" in own_option.output

@@ -1,0 +1,32 @@
+"""Planted bugs in Hugging Face checkpoints: copies of a checkpoint with one classic conversion mistake."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+
+def swap_query_and_key_head(source: Path, target: Path) -> Path:
+    """Layer 0: the rows of query head 0 and key head 0 trade places (a classic fused-QKV mix-up)."""
+    shutil.copytree(source, target)
+    weights = load_file(str(target / "model.safetensors"))
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    head_dim = json.loads((target / "config.json").read_text()).get("head_dim") or 16
+    q_rows, k_rows = weights[q][:head_dim].clone(), weights[k][:head_dim].clone()
+    weights[q][:head_dim], weights[k][:head_dim] = k_rows, q_rows
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target
+
+
+def with_config(source: Path, target: Path, **changes) -> Path:
+    """A copy whose config.json has `changes`; the weights are linked, not copied."""
+    target.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.name != "config.json":
+            (target / file.name).symlink_to(file.resolve())
+    config = json.loads((source / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, **changes}))
+    return target
