@@ -174,7 +174,7 @@ def _notes(row: Row) -> list[str]:
         token = f", token {lp.worst_token}" if lp.worst_token is not None else ""
         notes.append(f"|Δlogprob| max {lp.max_abs_diff:.3g} mean {lp.mean_abs_diff:.3g} p99 {lp.p99_abs_diff:.3g} "
                      f"(seq {lp.worst_sequence} pos {lp.worst_position}{token}); k3 KL {lp.k3_kl:.3g}; "
-                     f"p_B/p_A p1 {lp.ratio_p1:.4g} p50 {lp.ratio_p50:.4g} p99 {lp.ratio_p99:.4g}; "
+                     f"p_B/p_A p1 {lp.ratio_p1:.6g} p50 {lp.ratio_p50:.6g} p99 {lp.ratio_p99:.6g}; "
                      f"|Δ|>0.1 {lp.frac_over_0_1:.2%} >1 {lp.frac_over_1:.2%} of {lp.tokens} tokens")
     if row.metrics is not None and not isinstance(row.metrics, TensorMetrics):
         notes.append("stats only: norm/mean/std")
