@@ -120,21 +120,33 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class Layout:
-    """How the world is split: world = tp * pp * cp (data parallel size 1)."""
+    """How the world is split: world = tp * pp * cp * dp. `sp`: sequence parallelism over the TP ranks."""
 
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    dp: int = 1
+    sp: bool = False
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.tp * self.pp * self.cp * self.dp
 
-    def check(self, model: ModelConfig, seq_len: int) -> None:
-        """Raise UserError for a layout the model or sequence cannot be split into."""
-        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp)):
+    def describe(self) -> str:
+        """`tp=2 pp=1 cp=2`, with dp and sp where they are used."""
+        return f"tp={self.tp} pp={self.pp} cp={self.cp}" + (f" dp={self.dp}" if self.dp > 1 else "") + \
+            (" sp" if self.sp else "")
+
+    def check(self, model: ModelConfig, seq_len: int, sequences: int) -> None:
+        """Raise UserError for a layout the model or the batch cannot be split into."""
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("dp", self.dp)):
             if size < 1:
                 raise UserError(f"--{name} must be at least 1, got {size}")
+        if self.sp and self.tp == 1:
+            raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
+        if sequences % self.dp:
+            raise UserError(f"--dp {self.dp} does not divide the {sequences} sequences (each DP rank takes an equal "
+                            "share of them)")
         if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
             raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
                             f"and num_query_groups={model.num_query_groups}")
@@ -145,6 +157,9 @@ class Layout:
         if self.cp > 1 and seq_len % (2 * self.cp):
             raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * self.cp} "
                             f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * self.cp}")
+        if self.sp and seq_len % (self.cp * self.tp):
+            raise UserError(f"sequence length {seq_len} is not divisible by cp*tp={self.cp * self.tp} (sequence "
+                            f"parallelism splits each CP rank's tokens over the TP ranks); pass --seq-len")
         if seq_len > model.max_position_embeddings:
             raise UserError(f"sequence length {seq_len} exceeds max_position_embeddings="
                             f"{model.max_position_embeddings}")
@@ -168,10 +183,11 @@ class RunSpec:
     seed: int = 1234
     attention: Literal["auto", "local", "torch", "te"] = "auto"
     loss_norm: Literal["global", "local"] = "global"
-    grad_source: Literal["auto", "grad", "main_grad"] = "auto"
+    grad_source: Literal["auto", "grad", "main_grad", "shard"] = "auto"
     filter: Optional[str] = None
     stats_only: bool = False
     timeout_s: float = 600.0
+    distributed_optimizer: bool = False  # DDP's use_distributed_optimizer: each DP rank keeps a shard of the grads
     hf: Optional[str] = None  # a Hugging Face checkpoint folder to load instead of seeded weights
 
     def to_json(self) -> str:

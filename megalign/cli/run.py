@@ -40,6 +40,16 @@ def run_command(mode: str):
         tp: int = typer.Option(1, "--tp", metavar="N", help="Tensor-parallel size."),
         pp: int = typer.Option(1, "--pp", metavar="N", help="Pipeline-parallel size."),
         cp: int = typer.Option(1, "--cp", metavar="N", help="Context-parallel size (load-balanced zigzag layout)."),
+        dp: int = typer.Option(1, "--dp", metavar="N",
+                               help="Data-parallel size: the sequences are split over N ranks (N must divide their "
+                                    "number); the loss is normalised over DP and CP together."),
+        sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (megatron's sequence_parallel): "
+                                                    "activations outside attention and MLP split their sequence over "
+                                                    "the TP ranks. Needs --tp > 1. Default: off."),
+        distributed_optimizer: bool = typer.Option(
+            False, "--distributed-optimizer", hidden=mode == "forward",
+            help="DDP with use_distributed_optimizer: after backward each DP rank holds a shard of the gradients; "
+                 "megalign gathers every parameter's full gradient from the shards. Default: off."),
         device: Literal["auto", "cpu", "cuda"] = typer.Option("auto", "--device",
                                    help="auto: cuda when available, else cpu. Backend: gloo on cpu, NCCL on cuda."),
         dtype: Literal["fp32", "bf16", "fp64"] = typer.Option(
@@ -55,10 +65,13 @@ def run_command(mode: str):
                                       help="global: divide the summed token loss by the valid-token count over "
                                            "all CP ranks (right). local: by each rank's own count (the classic CP "
                                            "bug: gradients scale by about CP)."),
-        grad_source: Literal["auto", "grad", "main_grad"] = typer.Option(
+        grad_source: Literal["auto", "grad", "main_grad", "shard"] = typer.Option(
                                         "auto", "--grad-source", hidden=mode == "forward",
                                         help="Where parameter gradients are read: auto = .grad, falling back to "
-                                             "DDP's main_grad; grad reproduces the empty-dump bug under DDP."),
+                                             "DDP's main_grad (gathered from the shards under "
+                                             "--distributed-optimizer). grad reproduces the empty-dump bug under "
+                                             "DDP; shard reads only this rank's distributed-optimizer shard, "
+                                             "the other classic bug."),
         filter: Optional[str] = typer.Option(None, "--filter", metavar="REGEX",
                                              help="Only dump tensors whose name matches REGEX (inputs are always "
                                                   "dumped). Default: all."),
@@ -87,9 +100,10 @@ def run_command(mode: str):
         rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", metavar="HOST:PORT",
                                                     help="A c10d rendezvous endpoint (as torchrun). Default: none."),
     ) -> None:
-        out = out or Path("dumps") / (f"{mode}-hf" if stack == "hf" else f"{mode}-tp{tp}-pp{pp}-cp{cp}")
+        out = out or Path("dumps") / (f"{mode}-hf" if stack == "hf" else
+                                      f"{mode}-tp{tp}-pp{pp}-cp{cp}" + (f"-dp{dp}" if dp > 1 else "") + ("-sp" if sp else ""))
         request = RunRequest(mode=mode, out=out, config=config, hf=hf, stack=stack, tokens=tokens, seq_len=seq_len,
-                             tp=tp, pp=pp, cp=cp,
+                             tp=tp, pp=pp, cp=cp, dp=dp, sp=sp, distributed_optimizer=distributed_optimizer,
                              device=device, dtype=dtype, seed=seed, attention=attention, loss_norm=loss_norm,
                              grad_source=grad_source, filter=filter, stats_only=stats_only,
                              overwrite=overwrite, timeout_s=timeout)
@@ -163,7 +177,7 @@ def _summary(spec, result: RunResult, stack: str) -> None:
     layout = spec.layout
     lines = [("dump", str(result.out)) if result.landed else
              ("wrote", f"{result.out} (node 0 renames it to {spec.out} once every node has finished)"),
-             ("run", f"{spec.mode}  {stack}  tp={layout.tp} pp={layout.pp} cp={layout.cp}  {spec.dtype} on "
+             ("run", f"{spec.mode}  {stack}  {layout.describe()}  {spec.dtype} on "
                      f"{spec.device}  model={spec.model.name}  loss-norm={spec.loss_norm}"),
              ("tensors", f"{result.tensors} records from {plural(result.ranks, 'rank')}"
                          + ("  (statistics only)" if spec.stats_only else "")),

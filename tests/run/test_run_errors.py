@@ -64,6 +64,10 @@ def bad_files(tmp_path):
     (["--config", "{d}/std.yaml"], "init_method_std must be a finite number > 0, got nan"),
     (["--nnodes", "0"], "--nnodes must be at least 1"),
     (["--dtype", "fp64", "--attention", "te"], "TransformerEngine's attention has no float64 kernels"),
+    (["--sp"], "--sp splits the sequence over the TP ranks: it needs --tp > 1"),
+    (["--dp", "3"], "--dp 3 does not divide the 2 sequences"),
+    (["--tp", "2", "--sp", "--seq-len", "33"], "not divisible by cp*tp=2"),
+    (["--grad-source", "shard"], "it needs --distributed-optimizer"),
     (["--nnodes", "1", "--node-rank", "3"], "--node-rank 3 is not in [0, --nnodes 1)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(bad_files, tmp_path, args, message):
@@ -84,6 +88,11 @@ def test_bad_out_is_one_line_and_exit_2(bad_files, out, message):
     result = invoke("forward", "--out", out.format(d=bad_files))
     assert result.exit_code == 2, result.output
     assert message in error_line(result)
+
+
+def test_distributed_optimizer_needs_backward(tmp_path):
+    result = invoke("forward", "--dp", "2", "--distributed-optimizer", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and "it needs backward" in error_line(result)
 
 
 def test_non_empty_out_is_refused_without_overwrite(tmp_path):

@@ -67,35 +67,24 @@ class _StatsOps:
         return None  # summaries of replicas are not worth a warning of their own
 
 
+class _Missing(Exception):
+    """Shards are missing: the tensor cannot be put back together."""
+
+
 def reassemble(dump: Dump, shards: list[Shard]) -> Value:
     layout = dump.layout()
     first = shards[0].record
-    sharding = first.sharding
     stats_only = first.file is None
     ops = _StatsOps() if stats_only else _TensorOps(dump)
-    value = Value(shape=full_shape(shards, layout["cp"]), dtype=first.dtype)
-
-    by_cp: dict[int, list[Shard]] = defaultdict(list)
-    for shard in shards:
-        by_cp[shard.rank.coords.cp_rank].append(shard)
-    pieces, diffs = [], []
-    for cp_rank in sorted(by_cp):
-        group = sorted(by_cp[cp_rank], key=lambda s: s.rank.coords.tp_rank)
-        if sharding.tp_dim is not None:
-            if len(group) != layout["tp"]:
-                value.problem = f"has {len(group)} of {layout['tp']} TP shards on CP rank {cp_rank}"
-                return value
-            pieces.append(ops.concat_tp([ops.load(s) for s in group], sharding.tp_dim, sharding.tp_parts))
-        else:
-            pieces.append(first_replica([ops.load(s) for s in group], diffs, ops.replica_diff))
-
-    if sharding.seq_dim is not None and layout["cp"] > 1:
-        if len(pieces) != layout["cp"]:
-            value.problem = f"has {len(pieces)} of {layout['cp']} CP pieces"
-            return value
-        full = ops.concat_cp(pieces, sharding.seq_dim)
-    else:
-        full = first_replica(pieces, diffs, ops.replica_diff)
+    value = Value(shape=full_shape(shards, layout), dtype=first.dtype)
+    diffs: list = []
+    try:
+        by_dp = _group(shards, "dp_rank")
+        pieces = [_assemble_dp_rank(by_dp[rank], layout, ops, diffs) for rank in sorted(by_dp)]
+        full = _join(pieces, first.sharding.dp_dim, layout.get("dp", 1), "DP", ops.concat_tp, ops, diffs)
+    except _Missing as e:
+        value.problem = str(e)
+        return value
     if stats_only:
         value.stats = full
     else:
@@ -105,20 +94,64 @@ def reassemble(dump: Dump, shards: list[Shard]) -> Value:
     return value
 
 
+def _assemble_dp_rank(shards: list[Shard], layout: dict, ops, diffs: list):
+    """One DP rank's tensor: TP shards (or SP pieces) joined per CP rank, then the CP pieces un-zigzagged."""
+    sharding = shards[0].record.sharding
+    by_cp = _group(shards, "cp_rank")
+    pieces = []
+    for cp_rank in sorted(by_cp):
+        group = sorted(by_cp[cp_rank], key=lambda s: s.rank.coords.tp_rank)
+        loaded = [ops.load(s) for s in group]
+        if sharding.sp:
+            pieces.append(_join(loaded, sharding.seq_dim, layout["tp"], f"SP (on CP rank {cp_rank})",
+                                ops.concat_tp, ops, diffs))
+        elif sharding.tp_dim is not None:
+            if len(group) != layout["tp"]:
+                raise _Missing(f"has {len(group)} of {layout['tp']} TP shards on CP rank {cp_rank}")
+            pieces.append(ops.concat_tp(loaded, sharding.tp_dim, sharding.tp_parts))
+        else:
+            pieces.append(first_replica(loaded, diffs, ops.replica_diff))
+    if sharding.seq_dim is not None and layout["cp"] > 1:
+        if len(pieces) != layout["cp"]:
+            raise _Missing(f"has {len(pieces)} of {layout['cp']} CP pieces")
+        return ops.concat_cp(pieces, sharding.seq_dim)
+    return first_replica(pieces, diffs, ops.replica_diff)
+
+
+def _join(pieces: list, dim, size: int, axis: str, concat, ops, diffs: list):
+    """Pieces split on `dim` over `size` ranks are concatenated in rank order; with no dim they are replicas."""
+    if dim is None or size == 1:
+        return first_replica(pieces, diffs, ops.replica_diff)
+    if len(pieces) != size:
+        raise _Missing(f"has {len(pieces)} of {size} {axis} pieces")
+    return concat(pieces, dim, 1)
+
+
+def _group(shards: list[Shard], coord: str) -> dict[int, list[Shard]]:
+    groups: dict[int, list[Shard]] = defaultdict(list)
+    for shard in shards:
+        groups[getattr(shard.rank.coords, coord)].append(shard)
+    return groups
+
+
 def first_replica(replicas: list, diffs: list, differ=max_abs_diff):
     """The first replica, after recording how far `differ` finds the others from it."""
     diffs.extend(differ(replicas[0], other) for other in replicas[1:])
     return replicas[0]
 
 
-def full_shape(shards: list[Shard], cp: int) -> list[int]:
+def full_shape(shards: list[Shard], layout: dict) -> list[int]:
     """The reassembled shape, from the records alone (also for stats-only dumps)."""
     record = shards[0].record
     shape = list(record.shape)
     sharding = record.sharding
-    if sharding.tp_dim is not None:
-        tp_shards = sum(1 for s in shards if s.rank.coords.cp_rank == shards[0].rank.coords.cp_rank)
-        shape[sharding.tp_dim] *= tp_shards
-    if sharding.seq_dim is not None and cp > 1:
-        shape[sharding.seq_dim] *= cp
+    first = shards[0].rank.coords
+    if sharding.tp_dim is not None or sharding.sp:
+        tp_shards = sum(1 for s in shards if (s.rank.coords.cp_rank, s.rank.coords.dp_rank) ==
+                        (first.cp_rank, first.dp_rank))
+        shape[sharding.seq_dim if sharding.sp else sharding.tp_dim] *= tp_shards
+    if sharding.seq_dim is not None and layout["cp"] > 1:
+        shape[sharding.seq_dim] *= layout["cp"]
+    if sharding.dp_dim is not None:
+        shape[sharding.dp_dim] *= layout.get("dp", 1)
     return shape

@@ -52,6 +52,7 @@ class RankCoords:
     tp_rank: int = 0
     cp_rank: int = 0
     pp_rank: int = 0
+    dp_rank: int = 0
 
 
 @dataclass
@@ -73,13 +74,6 @@ class TensorRecord:
                 "dtype": self.dtype, "sharding": self.sharding.to_dict(), "module": self.module,
                 "layer": self.layer, "file": self.file, "key": self.key,
                 "stats": self.stats.to_dict() if self.stats else None}
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "TensorRecord":
-        return cls(kind=raw["kind"], name=raw["name"], order=raw["order"], shape=list(raw["shape"]),
-                   dtype=raw["dtype"], sharding=Sharding.from_dict(raw.get("sharding") or {}),
-                   module=raw.get("module"), layer=raw.get("layer"), file=raw.get("file"), key=raw.get("key"),
-                   stats=TensorStats.from_dict(raw["stats"]) if raw.get("stats") else None)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

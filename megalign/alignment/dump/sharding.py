@@ -1,9 +1,11 @@
 """How a dumped tensor is split over ranks, and how to put the pieces back together.
 
 Every record in a dump says which dim holds the sequence (split over CP ranks in megatron's
-load-balanced zigzag: rank r holds chunks r and 2*CP-1-r of 2*CP), which dim is partitioned over TP
-ranks (None: every TP rank holds a replica), and how many fused parts that dim holds (SwiGLU's
-gate|up: each TP rank holds its slice of every part, so shards are merged part by part).
+load-balanced zigzag: rank r holds chunks r and 2*CP-1-r of 2*CP), whether that sequence is split
+again over the TP ranks (`sp`: sequence parallelism, contiguous pieces in tp_rank order), which dim
+is partitioned over TP ranks (None: every TP rank holds a replica), how many fused parts that dim
+holds (SwiGLU's gate|up: each TP rank holds its slice of every part, so shards are merged part by
+part), and which dim holds the batch (split over DP ranks, contiguous; None: DP ranks hold replicas).
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ class Sharding:
     seq_dim: Optional[int] = None
     tp_dim: Optional[int] = None
     tp_parts: int = 1
+    sp: bool = False
+    dp_dim: Optional[int] = None
 
     def to_dict(self) -> dict:
-        return {"seq_dim": self.seq_dim, "tp_dim": self.tp_dim, "tp_parts": self.tp_parts}
-
-    @classmethod
-    def from_dict(cls, raw: dict) -> "Sharding":
-        return cls(seq_dim=raw.get("seq_dim"), tp_dim=raw.get("tp_dim"), tp_parts=raw.get("tp_parts", 1))
+        return {"seq_dim": self.seq_dim, "tp_dim": self.tp_dim, "tp_parts": self.tp_parts, "sp": self.sp,
+                "dp_dim": self.dp_dim}
 
 
 REPLICATED = Sharding()

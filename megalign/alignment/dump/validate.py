@@ -21,7 +21,7 @@ from megalign.alignment.errors import UserError
 # The dtypes safetensors stores, by the names dtype_name() writes.
 DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int16",
           "int8", "uint8", "bool")
-LAYOUT_AXES = ("tp", "pp", "cp")
+LAYOUT_AXES = ("tp", "pp", "cp")  # every dump has them; dp came later, 1 when absent
 
 
 class Malformed(UserError):
@@ -61,9 +61,10 @@ def check_meta(raw: Any, where: str) -> dict:
     layout = _dict(meta.get("layout"), f"{where}: layout")
     for axis in LAYOUT_AXES:
         _int(layout.get(axis), f"{where}: layout.{axis}", low=1)
-    for axis, size in layout.items():
-        _int(size, f"{where}: layout.{axis}", low=1)
-    world = math.prod(layout.values())
+    _int(layout.setdefault("dp", 1), f"{where}: layout.dp", low=1)
+    if not isinstance(layout.setdefault("sp", False), bool):
+        raise Malformed(f"{where}: layout.sp must be true or false")
+    world = math.prod(layout[axis] for axis in LAYOUT_AXES + ("dp",))
     if meta.get("world_size") != world:
         raise Malformed(f"{where}: world_size {meta.get('world_size')!r} is not the product of the layout ({world})")
     return meta
@@ -75,10 +76,10 @@ def check_manifest(raw: Any, where: str, rank: int, layout: dict, rank_dir: Path
         raise Malformed(f"{where}: not a megalign manifest of version {VERSION}")
     if manifest.get("rank") != rank:
         raise Malformed(f"{where}: rank {manifest.get('rank')!r} in the folder of rank {rank}")
-    coords = RankCoords(rank=rank, **{f"{axis}_rank": _int(manifest.get(f"{axis}_rank"), f"{where}: {axis}_rank")
-                                      for axis in LAYOUT_AXES})
-    for axis in LAYOUT_AXES:
-        if getattr(coords, f"{axis}_rank") >= layout[axis]:
+    coords = RankCoords(rank=rank, **{f"{axis}_rank": _int(manifest.get(f"{axis}_rank", 0), f"{where}: {axis}_rank")
+                                      for axis in LAYOUT_AXES + ("dp",)})
+    for axis in LAYOUT_AXES + ("dp",):
+        if getattr(coords, f"{axis}_rank") >= layout.get(axis, 1):
             raise Malformed(f"{where}: {axis}_rank {getattr(coords, f'{axis}_rank')} is outside the layout's "
                             f"{axis}={layout[axis]}")
     tensors = manifest.get("tensors")
@@ -132,10 +133,16 @@ def check_tensor_file(name: str, rank_dir: Path, where: str) -> Path:
 
 def _sharding(raw: Any, ndim: int, where: str) -> Sharding:
     raw = _dict(raw if raw is not None else {}, f"{where}: sharding")
+    sp = raw.get("sp", False)
+    if not isinstance(sp, bool):
+        raise Malformed(f"{where}: sharding.sp must be true or false")
     sharding = Sharding(seq_dim=_optional_int(raw.get("seq_dim"), f"{where}: sharding.seq_dim"),
                         tp_dim=_optional_int(raw.get("tp_dim"), f"{where}: sharding.tp_dim"),
-                        tp_parts=_int(raw.get("tp_parts", 1), f"{where}: sharding.tp_parts", low=1))
-    for dim in (sharding.seq_dim, sharding.tp_dim):
+                        tp_parts=_int(raw.get("tp_parts", 1), f"{where}: sharding.tp_parts", low=1), sp=sp,
+                        dp_dim=_optional_int(raw.get("dp_dim"), f"{where}: sharding.dp_dim"))
+    if sharding.sp and (sharding.seq_dim is None or sharding.tp_dim is not None):
+        raise Malformed(f"{where}: sharding.sp needs a seq_dim and no tp_dim")
+    for dim in (sharding.seq_dim, sharding.tp_dim, sharding.dp_dim):
         if dim is not None and dim >= ndim:
             raise Malformed(f"{where}: sharding names dim {dim} of a {ndim}-dim tensor")
     return sharding

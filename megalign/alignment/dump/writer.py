@@ -68,5 +68,5 @@ class RankWriter:
         self._flush()
         write_json_atomic(self.dir / MANIFEST, {
             "format": FORMAT, "version": VERSION, "rank": self.coords.rank, "tp_rank": self.coords.tp_rank,
-            "cp_rank": self.coords.cp_rank, "pp_rank": self.coords.pp_rank,
+            "cp_rank": self.coords.cp_rank, "pp_rank": self.coords.pp_rank, "dp_rank": self.coords.dp_rank,
             "bytes": self.bytes_written, "tensors": [r.to_dict() for r in self.records], **(extra or {})})

@@ -23,6 +23,9 @@ class RunRequest:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    dp: int = 1
+    sp: bool = False
+    distributed_optimizer: bool = False
     device: str = "auto"
     dtype: str = "fp32"
     seed: int = 1234
@@ -68,6 +71,13 @@ def resolve_model(request: RunRequest) -> ModelConfig:
     return open_checkpoint(request.hf).model
 
 
+def check_distributed_optimizer(request: RunRequest) -> None:
+    if request.distributed_optimizer and request.mode != "backward":
+        raise UserError("--distributed-optimizer shards gradients: it needs backward, not forward")
+    if request.grad_source == "shard" and not request.distributed_optimizer:
+        raise UserError("--grad-source shard reads the distributed optimizer's shard: it needs --distributed-optimizer")
+
+
 def check_stack(request: RunRequest) -> None:
     if request.stack == "megatron":
         return
@@ -75,8 +85,9 @@ def check_stack(request: RunRequest) -> None:
         raise UserError(f"--stack {request.stack!r}: expected megatron or hf")
     if request.hf is None:
         raise UserError("--stack hf needs a checkpoint: pass --hf PATH")
-    if (request.tp, request.pp, request.cp) != (1, 1, 1):
-        raise UserError("--stack hf runs transformers in one process: --tp, --pp and --cp must be 1")
+    if (request.tp, request.pp, request.cp, request.dp) != (1, 1, 1, 1) or request.sp or request.distributed_optimizer:
+        raise UserError("--stack hf runs transformers in one process: --tp, --pp, --cp and --dp must be 1, without "
+                        "--sp or --distributed-optimizer")
 
 
 def plan_run(request: RunRequest) -> RunSpec:
@@ -85,8 +96,9 @@ def plan_run(request: RunRequest) -> RunSpec:
     tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
     check_tokens(tokens, model.vocab_size)
     seq_len = resolve_seq_len(tokens, request.seq_len)
-    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp)
-    layout.check(model, seq_len)
+    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp, dp=request.dp, sp=request.sp)
+    layout.check(model, seq_len, len(tokens))
+    check_distributed_optimizer(request)
     if request.filter:
         compile_pattern("--filter", request.filter)
     check_attention(request.attention, request.cp, request.dtype)
@@ -97,4 +109,5 @@ def plan_run(request: RunRequest) -> RunSpec:
                    device=resolve_device(request.device), dtype=request.dtype, seed=request.seed,
                    attention=request.attention, loss_norm=request.loss_norm, grad_source=request.grad_source,
                    filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s,
+                   distributed_optimizer=request.distributed_optimizer,
                    hf=str(request.hf) if request.hf else None)

@@ -42,7 +42,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megalign.alignment.stacks.megatron.capture import ActivationCapture
+    from megalign.alignment.stacks.megatron.capture import ActivationCapture, LocalShape
     from megalign.alignment.dump.format import RankCoords
     from megalign.alignment.dump.writer import RankWriter
     from megalign.alignment.stacks.megatron.grads import collect_param_grads
@@ -61,7 +61,8 @@ def _run(spec: RunSpec, rank: int) -> None:
     parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
     coords = RankCoords(rank=rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                         cp_rank=parallel_state.get_context_parallel_rank(),
-                        pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+                        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                        dp_rank=parallel_state.get_data_parallel_rank())
     emit("started", rank)
 
     torch.manual_seed(spec.seed)
@@ -80,23 +81,26 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     backward = spec.mode == "backward"
     batch = build_batch(spec.tokens, spec.seq_len).as_dict()
+    # Each DP rank takes its contiguous share of the sequences, then each CP rank its chunks of those.
+    batch = {key: value.chunk(layout.dp)[coords.dp_rank] for key, value in batch.items()}
     if layout.cp > 1:
         cp_group = parallel_state.get_context_parallel_group()
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     if spec.device == "cuda":
         batch = {k: v.cuda() for k, v in batch.items()}
-    local_seq = batch["tokens"].shape[1]
+    local = LocalShape(seq=batch["tokens"].shape[1], batch=batch["tokens"].shape[0], tp=layout.tp, sp=layout.sp)
 
     writer = RankWriter(Path(spec.out), coords, stats_only=spec.stats_only, name_filter=spec.filter)
     if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
         for key, value in batch.items():
-            writer.add("input", key, value, Sharding(seq_dim=1))
-    capture = ActivationCapture(model, writer, spec.model, local_seq, grads=backward)
+            writer.add("input", key, value, Sharding(seq_dim=1, dp_dim=0))
+    capture = ActivationCapture(model, writer, spec.model, local, grads=backward)
 
     if backward:
         # Forward-only runs never wrap in DDP: its gradient buffers would be allocated for nothing.
         # Gradients are reduced in float32, or in float64 for the fp64 reference run.
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=spec.dtype != "fp64")
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=spec.dtype != "fp64",
+                                                   use_distributed_optimizer=spec.distributed_optimizer)
         chunk = DistributedDataParallel(config, ddp_config, model)
         chunk.train()
         # The loss function normalises (--loss-norm), so finalize must not divide by the token count again.
@@ -120,7 +124,7 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     extra = {}
     if backward:
-        extra["grad_coverage"] = collect_param_grads(model, writer, spec)
+        extra["grad_coverage"] = collect_param_grads(chunk, model, writer, spec)
     writer.close(extra)
     loss = float(reduced[0]["loss"]) if reduced else None
     emit("written", rank, tensors=len(writer.records), bytes=writer.bytes_written, loss=loss)

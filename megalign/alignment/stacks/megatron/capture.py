@@ -7,6 +7,7 @@ split over TP ranks; row-parallel linears all-reduce, so their outputs are repli
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -20,40 +21,60 @@ from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.stacks.megatron.model import global_name, layer_index, logits_layout
 from megalign.alignment.dump.sharding import Sharding
 
-_TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")
+_TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")  # and megatron's core_attention
 _QK_NORMS = ("q_layernorm", "k_layernorm")
-LOGITS_MODULE = "output_layer"
-INPUT_CAPTURED = ".mlp.linear_fc2"  # modules whose input is dumped too, as `<name>#input`  # its first output is the logits, [s, b, vocab/tp]
+LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
+INPUT_CAPTURED = ".mlp.linear_fc2"  # modules whose input is dumped too, as `<name>#input`
 
 
-def output_sharding(module: torch.nn.Module, name: str, index: int, tensor: torch.Tensor, local_seq: int,
+@dataclass(frozen=True)
+class LocalShape:
+    """What one rank's tensors look like: its tokens per sequence (after the CP split), its sequences
+    (after the DP split), and whether sequence parallelism splits the tokens again over the TP ranks."""
+
+    seq: int
+    batch: int
+    tp: int
+    sp: bool
+
+    def seq_sharding(self, tensor: torch.Tensor, seq_dim: int, batch_dim: Optional[int]) -> Sharding:
+        """The sequence and batch sharding of a tensor laid out with its tokens on `seq_dim`."""
+        length = tensor.shape[seq_dim] if tensor.ndim > seq_dim else None
+        sp = self.sp and length == self.seq // self.tp
+        if length != self.seq and not sp:
+            return Sharding()
+        dp_dim = batch_dim if batch_dim is not None and tensor.shape[batch_dim] == self.batch else None
+        return Sharding(seq_dim=seq_dim, sp=sp, dp_dim=dp_dim)
+
+
+def output_sharding(module: torch.nn.Module, name: str, tensor: torch.Tensor, local: LocalShape,
                     model_config: ModelConfig) -> Sharding:
-    # Sequence-first everywhere but the word embedding lookup, which is still [b, s, h].
-    seq_dim = 1 if isinstance(module, VocabParallelEmbedding) else 0
-    if tensor.ndim <= seq_dim or tensor.shape[seq_dim] != local_seq:
-        seq_dim = None
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return Sharding(seq_dim=seq_dim)
+    if name == "rotary_pos_emb":
+        return local.seq_sharding(tensor, 0, None)  # [s, 1, 1, dim]: no batch
+    if ".core_attention." in name and tensor.ndim == 4:
+        # softmax and dropout inside the attention: [b, heads/tp, sq, sk], the sequence never split by SP
+        sharding = Sharding(dp_dim=0 if tensor.shape[0] == local.batch else None)
+        return replace(sharding, tp_dim=1) if local.tp > 1 else sharding
+    sharding = local.seq_sharding(tensor, 0, 1)  # sequence-first: [s, b, ...]
+    if local.tp == 1 or sharding.sp:
+        return sharding
     kind = type(module).__name__
     leaf = name.rsplit(".", 1)[-1]
-    tp_dim, parts = None, 1
     if any(k in kind for k in _TP_LAST_DIM) and not getattr(module, "gather_output", False):
         # Index 1 of a column-parallel linear is its (skipped) bias: a shard with no sequence dim.
-        tp_dim = tensor.ndim - 1
         parts = 2 if model_config.swiglu and leaf == "linear_fc1" else 1
-    elif leaf in _QK_NORMS:
-        tp_dim = tensor.ndim - 2  # [s, b, heads/tp, head_dim]
-    elif ".core_attention." in name:
-        tp_dim = tensor.ndim - 3  # softmax and dropout inside the attention: [b, heads/tp, sq, sk]
-    return Sharding(seq_dim=seq_dim, tp_dim=tp_dim, tp_parts=parts)
+        return replace(sharding, tp_dim=tensor.ndim - 1, tp_parts=parts)
+    if leaf in _QK_NORMS:
+        return replace(sharding, tp_dim=tensor.ndim - 2)  # [s, b, heads/tp, head_dim]
+    return sharding
 
 
 class ActivationCapture:
     """Registers hooks on every submodule of `model`; `remove()` takes them off again."""
 
-    def __init__(self, model: torch.nn.Module, writer: RankWriter, model_config: ModelConfig, local_seq: int,
+    def __init__(self, model: torch.nn.Module, writer: RankWriter, model_config: ModelConfig, local: LocalShape,
                  grads: bool):
-        self.writer, self.model_config, self.local_seq, self.grads = writer, model_config, local_seq, grads
+        self.writer, self.model_config, self.local, self.grads = writer, model_config, local, grads
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.handles = []
         for local, module in model.named_modules():
@@ -74,8 +95,14 @@ class ActivationCapture:
             for index, tensor in enumerate(outputs):
                 if not isinstance(tensor, torch.Tensor):
                     continue
-                sharding = output_sharding(module, name, index, tensor, self.local_seq, self.model_config)
                 kind, key, view = "activation", name if index == 0 else f"{name}#{index}", None
+                if isinstance(module, VocabParallelEmbedding):
+                    # The lookup is [b, s, h], or [s/tp, b, h] where SP reduce-scatters it: dumped batch-first.
+                    sequence_first = getattr(module, "reduce_scatter_embeddings", False)
+                    view = (lambda t: t.transpose(0, 1)) if sequence_first else None
+                    sharding = self.local.seq_sharding(view(tensor) if view else tensor, 1, 0)
+                else:
+                    sharding = output_sharding(module, name, tensor, self.local, self.model_config)
                 if key == LOGITS_MODULE:
                     # Logits are dumped batch-first, [b, s, vocab], the way every stack can write them.
                     kind, key = "logits", "logits"
@@ -89,9 +116,10 @@ class ActivationCapture:
         A row-parallel linear's input has its last dim split over TP ranks."""
         def record(module, inputs):
             tensor = inputs[0]
-            tp_dim = tensor.ndim - 1 if parallel_state.get_tensor_model_parallel_world_size() > 1 else None
-            seq_dim = 0 if tensor.ndim > 0 and tensor.shape[0] == self.local_seq else None
-            self._record("activation", f"{name}#input", name, tensor, Sharding(seq_dim=seq_dim, tp_dim=tp_dim))
+            sharding = self.local.seq_sharding(tensor, 0, 1)
+            if self.local.tp > 1:
+                sharding = replace(sharding, tp_dim=tensor.ndim - 1)
+            self._record("activation", f"{name}#input", name, tensor, sharding)
 
         return record
 

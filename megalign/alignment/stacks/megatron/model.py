@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import zlib
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -41,7 +42,7 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         init_method_std=model.init_method_std,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp, sequence_parallel=False,
+        context_parallel_size=layout.cp, sequence_parallel=layout.sp,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True, perform_initialization=False,
         # The loss function normalises (see loss.py), so megatron must neither average nor rescale.
@@ -65,7 +66,7 @@ def _has_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(spec: RunSpec):
+def layer_spec(spec: RunSpec, config: TransformerConfig):
     backend = attention_backend(spec)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -76,13 +77,23 @@ def layer_spec(spec: RunSpec):
         from megalign.alignment.stacks.megatron.cp_attention import ZigzagCPAttention
 
         layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
-    return layer
+    if not spec.layout.sp:
+        return layer
+    # The norms in the sequence-parallel region (the layers' and the final one) mark their weights for
+    # finalize_model_grads' all-reduce over TP; the block is spelled out to reach the final norm.
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megalign.alignment.stacks.megatron.norm import SequenceParallelNorm
+
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelNorm)
 
 
 def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
     vocab = spec.model.padded_vocab_size(spec.layout.tp)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(spec), vocab_size=vocab,
+        config=config, transformer_layer_spec=layer_spec(spec, config), vocab_size=vocab,
         max_sequence_length=spec.model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.model.tie_embeddings,
@@ -112,9 +123,10 @@ def _mask_vocab_padding(vocab_size: int):
 def logits_layout(model_config: ModelConfig, sharding: Sharding):
     """How logits are dumped: batch-first [b, s, vocab], cut back to the real vocab when it is padded.
     Returns (sharding, view)."""
+    batch_first = Sharding(seq_dim=1, dp_dim=0 if sharding.dp_dim is not None else None)
     if not _vocab_padded(model_config):
-        return Sharding(seq_dim=1, tp_dim=sharding.tp_dim), lambda t: t.transpose(0, 1)
-    return Sharding(seq_dim=1), lambda t: real_vocab(t, model_config.vocab_size, dim=-1).transpose(0, 1)
+        return replace(batch_first, tp_dim=sharding.tp_dim), lambda t: t.transpose(0, 1)
+    return batch_first, lambda t: real_vocab(t, model_config.vocab_size, dim=-1).transpose(0, 1)
 
 
 def param_grad_layout(model_config: ModelConfig, name: str, grad: torch.Tensor, sharding: Sharding):
