@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# megalign on one GPU (NCCL, world 1): fp32 and bf16, tiny and a 0.5B Qwen2 layout, GPU vs CPU,
-# a planted --loss-norm local run, and the speed and memory ratios. Ends with a table of
+# megalign on one GPU (NCCL, world 1): fp32, bf16 and the fp64 reference, tiny and a 0.5B Qwen2
+# layout, GPU vs CPU (with and without --reference), a planted --loss-norm local run, and the speed
+# and memory ratios. Ends with a table of
 # expectations; exits non-zero when one fails.
 #
 #   bash bench/gpu.sh [OUTDIR]            (OUTDIR default: $OUT, else gpu-out)
@@ -49,12 +50,19 @@ for model in $models; do
   expect "$model-fwd-$DEVICE-bf16" 0 $M forward --device "$DEVICE" -c "$cfg" --dtype bf16 --out "$d/fwd-bf16"
   expect "$model-bwd-$DEVICE-fp32" 0 $M backward --device "$DEVICE" -c "$cfg" --out "$d/bwd-fp32"
   expect "$model-bwd-$DEVICE-bf16" 0 $M backward --device "$DEVICE" -c "$cfg" --dtype bf16 --out "$d/bwd-bf16"
+  expect "$model-bwd-$DEVICE-fp64" 0 $M backward --device "$DEVICE" -c "$cfg" --dtype fp64 --out "$d/bwd-fp64"
   expect "$model-bwd-cpu-fp32" 0 $M backward --device cpu -c "$cfg" --out "$d/cpu-fp32"
+  # fp64 on the CPU for the tiny model only: the 0.5B one would take minutes of the lease.
+  [ "$model" = tiny ] && expect "$model-bwd-cpu-fp64" 0 $M backward --device cpu -c "$cfg" --dtype fp64 --out "$d/cpu-fp64"
   expect "$model-bwd-cpu-cp2-local" 0 $M backward --device cpu -c "$cfg" --cp 2 --loss-norm local --out "$d/cpu-cp2-local"
   expect "$model-compare-$DEVICE-vs-cpu" 0 $M compare "$d/bwd-fp32" "$d/cpu-fp32" --json "$LOGS/$model-gpu-vs-cpu.jsonl"
   expect "$model-compare-bf16-vs-fp32" 0 $M compare "$d/bwd-bf16" "$d/bwd-fp32"
   expect "$model-compare-fwd-bf16-vs-fp32" 0 $M compare "$d/fwd-bf16" "$d/fwd-fp32"
   expect "$model-compare-planted-local" 1 $M compare "$d/bwd-fp32" "$d/cpu-cp2-local"
+  [ "$model" = tiny ] && expect "$model-compare-fp64-$DEVICE-vs-cpu" 0 $M compare "$d/bwd-fp64" "$d/cpu-fp64"
+  expect "$model-compare-ref-$DEVICE-vs-cpu" 0 $M compare "$d/bwd-fp32" "$d/cpu-fp32" --reference "$d/bwd-fp64"
+  expect "$model-compare-ref-bf16-vs-fp32" 0 $M compare "$d/bwd-bf16" "$d/bwd-fp32" --reference "$d/bwd-fp64"
+  expect "$model-compare-ref-planted" 1 $M compare "$d/bwd-fp32" "$d/cpu-cp2-local" --reference "$d/bwd-fp64"
 done
 
 if [ -z "${QUICK:-}" ]; then
