@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperCommand
 
 from megalign.cli import backward, check, compare, forward
+
+
+class PlainUsage(TyperCommand):
+    """The usage line names required arguments as their help does (`A B`), not typer's `{A} {B}`."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        return [piece.strip("{}") for piece in super().collect_usage_pieces(ctx)]
+
 
 app = typer.Typer(
     name="megalign",
@@ -18,7 +27,7 @@ app = typer.Typer(
 )
 app.command("forward")(forward.forward)
 app.command("backward")(backward.backward)
-app.command("compare")(compare.compare)
+app.command("compare", cls=PlainUsage)(compare.compare)
 # Options check does not know go to every run it starts.
 app.command("check", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(check.check)
 
