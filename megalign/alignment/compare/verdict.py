@@ -162,15 +162,12 @@ def _pair(a: Optional[Entry], b: Optional[Entry]) -> _Pair:
     return _Pair(kind=kind, name=(a or b).name, a=a, b=b)
 
 
-@dataclass
 class _Comparison:
-    a: Source
-    b: Source
-    thresholds: Thresholds
-    reference: Optional[Source] = None
+    """What every row of one comparison needs: the sources, the thresholds, the reference, the inputs."""
 
-    def __post_init__(self):
-        self.tokens = _tokens(self.a, self.b)
+    def __init__(self, a: Source, b: Source, thresholds: Thresholds, reference: Optional[Source]):
+        self.a, self.b, self.thresholds, self.reference = a, b, thresholds, reference
+        self.tokens = _input(self.a, self.b, "tokens")  # to name the token at the worst logprob position
         self.loss_mask = _input(self.a, self.b, "loss_mask")
         self.in_reference = {(e.kind, e.name): e for e in self.reference.entries} if self.reference else {}
         self.kinds_a, self.kinds_b = {e.kind for e in self.a.entries}, {e.kind for e in self.b.entries}
@@ -234,11 +231,6 @@ def _one_side(row: Row, pair: _Pair) -> Row:
     row.shape_a, row.dtype_a = (shape, dtype) if pair.a else (None, None)
     row.shape_b, row.dtype_b = (shape, dtype) if pair.b else (None, None)
     return row
-
-
-def _tokens(a: Source, b: Source) -> Optional[torch.Tensor]:
-    """Input token ids, to name the token at the worst logprob position."""
-    return _input(a, b, "tokens")
 
 
 def _input(a: Source, b: Source, name: str) -> Optional[torch.Tensor]:
