@@ -8,6 +8,7 @@ failing twin: a planted bug, caught where it is first seen.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -75,5 +76,6 @@ def test_reading_the_distributed_optimizers_local_shard_fails_loudly(tmp_path):
     result = invoke("backward", "--dp", "2", "--distributed-optimizer", "--grad-source", "shard", "--out", out)
     assert result.exit_code == 1
     line = next(line for line in result.output.splitlines() if line.startswith("error:"))
-    assert "parameters have no gradient (read from shard)" in line and "embedding.word_embeddings.weight" in line
+    # Each rank lacks the parameters outside its shard; whichever rank reports first names its own.
+    assert re.search(r"rank [01] failed: \d+ of 15 parameters have no gradient \(read from shard\): (embedding|decoder)\.", line)
     assert not out.exists()
