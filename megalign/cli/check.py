@@ -16,7 +16,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import typer
 
