@@ -17,7 +17,6 @@ import yaml
 
 from megalign.alignment.errors import UserError, read_user_text
 
-
 # megatron parameters whose rows are the vocabulary: padded when TP does not divide vocab_size.
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 

@@ -21,7 +21,7 @@ from typing import Literal
 import typer
 
 from megalign.alignment.errors import UserError
-from megalign.cli.compare import (AllowSkipped, Filter, Format, Judging, JsonOut, NoColor, Plot, Threshold, Tolerance,
+from megalign.cli.compare import (AllowSkipped, Filter, Format, JsonOut, Judging, NoColor, Plot, Threshold, Tolerance,
                                   Workers, check_judging, run_compare)
 from megalign.cli.render import console, fail, use_color
 

@@ -13,8 +13,8 @@ from megalign.alignment.compare.metrics import TensorMetrics
 from megalign.alignment.compare.outputs import check_outputs
 from megalign.alignment.compare.sources import open_source
 from megalign.alignment.compare.thresholds import Thresholds
-from megalign.alignment.compare.verdict import (FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
-                                                SKIPPED, Report, Row, compare_sources)
+from megalign.alignment.compare.verdict import (FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, SKIPPED,
+                                                Report, Row, compare_sources)
 from megalign.alignment.errors import UserError
 from megalign.cli.render import Cell, Column, console, fail, print_table, resolve_format, use_color
 

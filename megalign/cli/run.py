@@ -7,14 +7,15 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from megalign.alignment.errors import RunFailed, UserError
 from megalign.alignment.run.launch import (LaunchOptions, RunResult, check_options, launch, run_here, run_in_process,
                                            signals_as_interrupts)
 from megalign.alignment.run.plan import RunRequest, plan_run
 from megalign.cli.render import console, err_console, fail, human_bytes, plural
+
 
 def run_command(mode: str):
     """Build the Typer command function for `mode` ("forward" or "backward")."""

@@ -14,12 +14,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-from megalign.alignment.dump.format import TensorRecord
-
-from megalign.alignment.dump.reader import Dump, RankManifest
-from megalign.alignment.compare.metrics import max_abs_diff
-from megalign.alignment.dump.sharding import merge_cp, merge_tp
 from megalign.alignment.compare.entries import Value
+from megalign.alignment.compare.metrics import max_abs_diff
+from megalign.alignment.dump.format import TensorRecord
+from megalign.alignment.dump.reader import Dump, RankManifest
+from megalign.alignment.dump.sharding import merge_cp, merge_tp
 from megalign.alignment.dump.stats import TensorStats
 
 

@@ -19,8 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from megalign.alignment.compare.verdict import Report, Row
 from megalign.alignment.compare.metrics import StatsMetrics
+from megalign.alignment.compare.verdict import Report, Row
 
 
 def row_record(row: Row, first_divergence: bool) -> dict:

@@ -17,14 +17,14 @@ from typing import Optional, Union
 
 import torch
 
-from megalign.alignment.errors import UserError, compile_pattern
-from megalign.alignment.compare.metrics import (LogprobMetrics, StatsMetrics, TensorMetrics, logprob_metrics,
-                                        stats_metrics, tensor_metrics)
-from megalign.alignment.compare.entries import Entry, Source, Value
-from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.compare import absent
+from megalign.alignment.compare.entries import Entry, Source, Value
+from megalign.alignment.compare.metrics import (LogprobMetrics, StatsMetrics, TensorMetrics, logprob_metrics,
+                                                stats_metrics, tensor_metrics)
 from megalign.alignment.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.alignment.compare.thresholds import Thresholds, precision_of
+from megalign.alignment.dump.stats import TensorStats
+from megalign.alignment.errors import UserError, compile_pattern
 
 # Statuses. A tensor on one side only is legitimate (different attention kernels have different
 # submodules): counted, not failed. One that could not be reassembled was never compared, so it

@@ -9,8 +9,8 @@ from importlib import metadata
 from pathlib import Path
 
 from megalign import __version__
-from megalign.alignment.spec import RunSpec
 from megalign.alignment.dump.format import DUMP_META, FORMAT, VERSION, write_json_atomic
+from megalign.alignment.spec import RunSpec
 
 
 def package_version(name: str) -> str | None:

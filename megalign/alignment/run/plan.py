@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megalign.alignment.spec import Layout, ModelConfig, RunSpec
 from megalign.alignment.errors import UserError, compile_pattern
 from megalign.alignment.run.staging import check_out
 from megalign.alignment.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
+from megalign.alignment.spec import Layout, ModelConfig, RunSpec
 
 
 @dataclass

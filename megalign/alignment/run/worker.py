@@ -14,8 +14,8 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-from megalign.alignment.spec import RunSpec
 from megalign.alignment.run.events import emit, emit_failure
+from megalign.alignment.spec import RunSpec
 
 
 def run_worker(spec: RunSpec) -> None:
@@ -42,16 +42,17 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megalign.alignment.stacks.megatron.capture import ActivationCapture, LocalShape
     from megalign.alignment.dump.format import RankCoords
+    from megalign.alignment.dump.meta import write_dump_meta
+    from megalign.alignment.dump.sharding import Sharding
     from megalign.alignment.dump.writer import RankWriter
+    from megalign.alignment.stacks.batch import build_batch
+    from megalign.alignment.stacks.megatron.capture import ActivationCapture, LocalShape
     from megalign.alignment.stacks.megatron.grads import collect_param_grads
     from megalign.alignment.stacks.megatron.loss import token_loss
-    from megalign.alignment.dump.meta import write_dump_meta
+    from megalign.alignment.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
+                                                          transformer_config)
     from megalign.alignment.stacks.precision import precision
-    from megalign.alignment.stacks.megatron.model import build_model, load_full_weights, seeded_weights, transformer_config
-    from megalign.alignment.dump.sharding import Sharding
-    from megalign.alignment.stacks.batch import build_batch
 
     started = time.monotonic()
     if spec.device == "cuda":

@@ -6,9 +6,9 @@ from collections import Counter
 from functools import partial
 from pathlib import Path
 
-from megalign.alignment.dump.reader import Dump
-from megalign.alignment.compare.reassemble import Shard, full_shape, reassemble
 from megalign.alignment.compare.entries import Entry, Source, phase
+from megalign.alignment.compare.reassemble import Shard, full_shape, reassemble
+from megalign.alignment.dump.reader import Dump
 
 
 def open_megalign(path: Path) -> Source:

@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from megalign.alignment.errors import UserError
 from megalign.alignment.compare.entries import Entry, Source, Value
 from megalign.alignment.dump.format import layer_of
+from megalign.alignment.errors import UserError
 
 SUFFIXES = (".safetensors", ".pt")
 

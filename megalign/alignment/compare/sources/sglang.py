@@ -27,12 +27,12 @@ from typing import Optional
 
 import torch
 
-from megalign.alignment.errors import UserError
-from megalign.alignment.compare.reassemble import first_replica
-from megalign.alignment.dump.sharding import merge_cp
 from megalign.alignment.compare.entries import Entry, Source, Value, phase
-from megalign.alignment.dump.format import layer_of
+from megalign.alignment.compare.reassemble import first_replica
 from megalign.alignment.compare.sources.plain import is_regular, load_pt, tensor_value
+from megalign.alignment.dump.format import layer_of
+from megalign.alignment.dump.sharding import merge_cp
+from megalign.alignment.errors import UserError
 
 _REQUIRED = ("step", "rank", "dump_index", "name")
 _AXES = ("tp", "cp", "sp", "attn_tp", "attn_cp")

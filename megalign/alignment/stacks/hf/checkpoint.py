@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from megalign.alignment.spec import VOCAB_PARAMS, ModelConfig
 from megalign.alignment.errors import UserError
+from megalign.alignment.spec import VOCAB_PARAMS, ModelConfig
 from megalign.alignment.stacks.hf.families import Family, family_of, model_config
 from megalign.alignment.stacks.hf.namemap import NameMap
 

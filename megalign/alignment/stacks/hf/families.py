@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-from megalign.alignment.spec import ModelConfig
 from megalign.alignment.errors import UserError
+from megalign.alignment.spec import ModelConfig
 
 # The megatron activation name when it is the module's own name.
 SAME = "same"

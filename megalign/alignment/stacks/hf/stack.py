@@ -15,18 +15,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megalign.alignment.spec import RunSpec
-from megalign.alignment.dump.format import RankCoords
-from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.dump.coverage import check_coverage, has_gradient
+from megalign.alignment.dump.format import RankCoords, layer_of
+from megalign.alignment.dump.meta import package_version, write_dump_meta
+from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.errors import UserError
+from megalign.alignment.spec import RunSpec
+from megalign.alignment.stacks.batch import DTYPES, build_batch, mean_token_loss
 from megalign.alignment.stacks.hf.checkpoint import HFCheckpoint, open_checkpoint
 from megalign.alignment.stacks.hf.families import SAME, Rule
 from megalign.alignment.stacks.hf.namemap import NameMap
-from megalign.alignment.dump.meta import package_version, write_dump_meta
-from megalign.alignment.dump.sharding import Sharding
-from megalign.alignment.dump.format import layer_of
-from megalign.alignment.stacks.batch import DTYPES, build_batch, mean_token_loss
 from megalign.alignment.stacks.precision import precision
 
 SEQ_FIRST = Sharding(seq_dim=0)  # megatron's layout of module outputs

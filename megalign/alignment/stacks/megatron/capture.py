@@ -11,15 +11,14 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
-from megalign.alignment.spec import ModelConfig
-from megalign.alignment.dump.writer import RankWriter
-from megalign.alignment.stacks.megatron.model import global_name, layer_index, logits_layout
 from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.dump.writer import RankWriter
+from megalign.alignment.spec import ModelConfig
+from megalign.alignment.stacks.megatron.model import global_name, layer_index, logits_layout
 
 _TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")  # and megatron's core_attention
 _QK_NORMS = ("q_layernorm", "k_layernorm")

@@ -11,7 +11,6 @@ import math
 
 import torch
 import torch.distributed as dist
-
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule

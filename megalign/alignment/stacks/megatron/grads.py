@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-from megalign.alignment.spec import RunSpec
-from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.dump.coverage import check_coverage, has_gradient
-from megalign.alignment.stacks.megatron.model import (global_name, is_duplicate_embedding, layer_index, param_grad_layout,
-                                      param_sharding)
+from megalign.alignment.dump.writer import RankWriter
+from megalign.alignment.spec import RunSpec
+from megalign.alignment.stacks.megatron.model import (global_name, is_duplicate_embedding, layer_index,
+                                                      param_grad_layout, param_sharding)
 
 
 def read_grad(param: torch.nn.Parameter, source: str) -> Optional[torch.Tensor]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.stacks.batch import mean_token_loss
-from megalign.alignment.dump.sharding import Sharding
 
 
 def token_loss(writer: RankWriter, loss_mask: torch.Tensor, loss_norm: str, per_token: torch.Tensor):

@@ -16,16 +16,15 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megalign.alignment.spec import VOCAB_PARAMS, ModelConfig, RunSpec
-from megalign.alignment.errors import UserError
-from megalign.alignment.stacks.batch import DTYPES
 from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.errors import UserError
+from megalign.alignment.spec import VOCAB_PARAMS, ModelConfig, RunSpec
+from megalign.alignment.stacks.batch import DTYPES
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 
