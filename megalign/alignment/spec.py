@@ -131,10 +131,22 @@ class Layout:
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
+    @property
+    def packing_multiple(self) -> int:
+        """Each packed document is padded to a multiple of this: 2*cp for CP's zigzag, times tp under SP."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
+
     def describe(self) -> str:
         """`tp=2 pp=1 cp=2`, with dp and sp where they are used."""
         return f"tp={self.tp} pp={self.pp} cp={self.cp}" + (f" dp={self.dp}" if self.dp > 1 else "") + \
             (" sp" if self.sp else "")
+
+    def check_sequences(self, sequences: int) -> None:
+        if self.dp < 1:
+            raise UserError(f"--dp must be at least 1, got {self.dp}")
+        if sequences % self.dp:
+            raise UserError(f"--dp {self.dp} does not divide the {sequences} sequences (each DP rank takes an equal "
+                            "share of them)")
 
     def check(self, model: ModelConfig, seq_len: int, sequences: int) -> None:
         """Raise UserError for a layout the model or the batch cannot be split into."""
@@ -143,9 +155,7 @@ class Layout:
                 raise UserError(f"--{name} must be at least 1, got {size}")
         if self.sp and self.tp == 1:
             raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
-        if sequences % self.dp:
-            raise UserError(f"--dp {self.dp} does not divide the {sequences} sequences (each DP rank takes an equal "
-                            "share of them)")
+        self.check_sequences(sequences)
         if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
             raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
                             f"and num_query_groups={model.num_query_groups}")
@@ -188,6 +198,8 @@ class RunSpec:
     timeout_s: float = 600.0
     distributed_optimizer: bool = False  # DDP's use_distributed_optimizer: each DP rank keeps a shard of the grads
     hf: Optional[str] = None  # a Hugging Face checkpoint folder to load instead of seeded weights
+    packed: bool = False  # THD: each DP rank's sequences packed into one row, split over CP document by document
+    packed_split: Literal["document", "row"] = "document"  # row: the classic bug, the row zigzagged as one sequence
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

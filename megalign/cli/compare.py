@@ -13,13 +13,13 @@ from megalign.alignment.compare.metrics import TensorMetrics
 from megalign.alignment.compare.outputs import check_outputs
 from megalign.alignment.compare.sources import open_source
 from megalign.alignment.compare.thresholds import Thresholds
-from megalign.alignment.compare.verdict import (FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, SKIPPED,
-                                                Report, Row, compare_sources)
+from megalign.alignment.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
+                                                SKIPPED, Report, Row, compare_sources)
 from megalign.alignment.errors import UserError
 from megalign.cli.render import Cell, Column, console, fail, print_table, resolve_format, use_color
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
-                 NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta"}
+                 NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta", APART: "yellow"}
 
 
 # The options that judge and print a comparison, shared by `compare` and `check`.
@@ -197,6 +197,8 @@ def _print_summary(report: Report, allow_skipped: Optional[str]) -> None:
     if s.skipped:
         parts.append(f"[magenta]{s.skipped} skipped[/] (not reassemblable, allowed by --allow-skipped "
                      f"{escape(repr(allow_skipped))})")
+    if s.apart:
+        parts.append(f"[yellow]{s.apart} not lined up[/] (positions, not tokens, in differently packed batches)")
     console.print(", ".join(parts), highlight=False, soft_wrap=True)
     if s.first_divergence:
         console.print(f"[bold red]first divergence:[/] {escape(s.first_divergence)}", highlight=False, soft_wrap=True)

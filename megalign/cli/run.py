@@ -36,8 +36,20 @@ def run_command(mode: str):
                                               help="Token ids, one list per sequence: [[1, 2, ...], ...]. Default: "
                                                    "2 built-in sequences of 32 and 20 tokens."),
         seq_len: Optional[int] = typer.Option(None, "--seq-len", metavar="N",
-                                              help="Pad every sequence to N tokens (a multiple of 2*cp). "
-                                                   "Default: the longest sequence."),
+                                              help="Pad every sequence to N tokens (a multiple of 2*cp); with "
+                                                   "--packed, the length of each packed row. Default: the longest "
+                                                   "sequence (packed: the shortest row that holds them)."),
+        packed: bool = typer.Option(False, "--packed",
+                                    help="THD: pack each DP rank's sequences into one row (megatron's "
+                                         "PackedSeqParams, cu_seqlens), every document padded to a multiple of "
+                                         "2*cp (times tp with --sp), positions and attention restarting at every "
+                                         "document, each document zigzagged over CP on its own. Default: off "
+                                         "(one padded sequence a row)."),
+        packed_split: Literal["document", "row"] = typer.Option(
+            "document", "--packed-split",
+            help="How --packed rows are split over CP: document (right: megatron's per-document zigzag). row "
+                 "reproduces the classic bug: the row zigzagged as one long sequence "
+                 "(use_per_sequence_balancing) while attention and RoPE expect documents."),
         tp: int = typer.Option(1, "--tp", metavar="N", help="Tensor-parallel size."),
         pp: int = typer.Option(1, "--pp", metavar="N", help="Pipeline-parallel size."),
         cp: int = typer.Option(1, "--cp", metavar="N", help="Context-parallel size (load-balanced zigzag layout)."),
@@ -102,12 +114,13 @@ def run_command(mode: str):
                                                     help="A c10d rendezvous endpoint (as torchrun). Default: none."),
     ) -> None:
         out = out or Path("dumps") / (f"{mode}-hf" if stack == "hf" else
-                                      f"{mode}-tp{tp}-pp{pp}-cp{cp}" + (f"-dp{dp}" if dp > 1 else "") + ("-sp" if sp else ""))
+                                      f"{mode}-tp{tp}-pp{pp}-cp{cp}" + (f"-dp{dp}" if dp > 1 else "") + ("-sp" if sp else "")
+                                      + ("-thd" if packed else ""))
         request = RunRequest(mode=mode, out=out, config=config, hf=hf, stack=stack, tokens=tokens, seq_len=seq_len,
                              tp=tp, pp=pp, cp=cp, dp=dp, sp=sp, distributed_optimizer=distributed_optimizer,
                              device=device, dtype=dtype, seed=seed, attention=attention, loss_norm=loss_norm,
                              grad_source=grad_source, filter=filter, stats_only=stats_only,
-                             overwrite=overwrite, timeout_s=timeout)
+                             overwrite=overwrite, timeout_s=timeout, packed=packed, packed_split=packed_split)
         try:
             if launcher == "none" and overwrite:
                 raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "

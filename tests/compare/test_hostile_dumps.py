@@ -77,6 +77,12 @@ META_EDITS = {
     "no layout": (lambda m: m.__delitem__("layout"), "layout must be a JSON object"),
     "version 99": (lambda m: m.update(version=99), "version 99 is not supported"),
     "a world size the layout does not give": (lambda m: m.update(world_size=4), "not the product of the layout"),
+    "rows a string": (lambda m: m.update(rows="x"), "rows must be a non-empty list"),
+    "a row without lengths": (lambda m: m["rows"][0].__delitem__("lengths"), "one length per document"),
+    "a document longer than its bounds": (lambda m: m["rows"][0].update(lengths=[10 ** 6]), "each document fit"),
+    "bounds that fall": (lambda m: m["rows"][0].update(bounds=[0, 20, 10], lengths=[1, 1]), "bounds must rise"),
+    "a negative bound": (lambda m: m["rows"][0].update(bounds=[0, -4]), "must be an integer >= 0"),
+    "an unknown cp split": (lambda m: m.update(cp_split="zig"), "cp_split must be document or row"),
 }
 
 

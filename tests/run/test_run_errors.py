@@ -69,6 +69,12 @@ def bad_files(tmp_path):
     (["--tp", "2", "--sp", "--seq-len", "33"], "not divisible by cp*tp=2"),
     (["--grad-source", "shard"], "it needs --distributed-optimizer"),
     (["--nnodes", "1", "--node-rank", "3"], "--node-rank 3 is not in [0, --nnodes 1)"),
+    (["--packed", "--cp", "2", "--seq-len", "48"], "take 52 tokens once each is padded to a multiple of 4; "
+                                                   "--seq-len 48 does not hold them"),
+    (["--packed", "--cp", "2", "--seq-len", "58"], "--seq-len 58 is not a multiple of 4"),
+    (["--packed", "--dp", "3"], "--dp 3 does not divide the 2 sequences"),
+    (["--packed", "--attention", "local"], "does not take packed sequences"),
+    (["--packed", "--stack", "hf", "--hf", "{d}/folder"], "--stack hf runs padded batches only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(bad_files, tmp_path, args, message):
     out = tmp_path / "out"

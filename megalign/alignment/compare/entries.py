@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megalign.alignment.dump.sharding import BatchRow
 from megalign.alignment.dump.stats import TensorStats
 
 # Execution order: forward tensors, then activation gradients (in backward order), then the
@@ -42,6 +43,10 @@ class Entry:
     # Where the format records them: an only-in-one-side row then needs no load at all.
     shape: Optional[list[int]] = None
     dtype: Optional[str] = None
+    # Where the format records them: the dims holding the batch rows and the tokens of each row.
+    batch_dim: Optional[int] = None
+    seq_dim: Optional[int] = None
+    apart: Optional[str] = None  # why this tensor cannot be lined up with the other side's (lineup.py)
 
 
 @dataclass
@@ -52,6 +57,7 @@ class Source:
     entries: list[Entry]
     precision: Optional[str] = None  # the run's dtype where the format records it
     model: Optional[dict] = None  # the model's config where the format records it
+    rows: Optional[list[BatchRow]] = None  # the batch's documents where the format records them
 
 
 def phase(kind: Optional[str]) -> int:

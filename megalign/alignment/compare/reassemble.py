@@ -40,8 +40,8 @@ class _TensorOps:
         return merge_tp(parts, dim, tp_parts)
 
     @staticmethod
-    def concat_cp(parts, dim: int):
-        return merge_cp(parts, dim)
+    def concat_cp(parts, dim: int, bounds):
+        return merge_cp(parts, dim, bounds)
 
     @staticmethod
     def replica_diff(reference, other) -> Optional[float]:
@@ -58,7 +58,7 @@ class _StatsOps:
         return TensorStats.combine(parts)
 
     @staticmethod
-    def concat_cp(parts, dim: int) -> TensorStats:
+    def concat_cp(parts, dim: int, bounds) -> TensorStats:
         return TensorStats.combine(parts)
 
     @staticmethod
@@ -79,7 +79,7 @@ def reassemble(dump: Dump, shards: list[Shard]) -> Value:
     diffs: list = []
     try:
         by_dp = _group(shards, "dp_rank")
-        pieces = [_assemble_dp_rank(by_dp[rank], layout, ops, diffs) for rank in sorted(by_dp)]
+        pieces = [_assemble_dp_rank(by_dp[rank], layout, dump.cp_bounds(rank), ops, diffs) for rank in sorted(by_dp)]
         full = _join(pieces, first.sharding.dp_dim, layout.get("dp", 1), "DP", ops.concat_tp, ops, diffs)
     except _Missing as e:
         value.problem = str(e)
@@ -93,8 +93,9 @@ def reassemble(dump: Dump, shards: list[Shard]) -> Value:
     return value
 
 
-def _assemble_dp_rank(shards: list[Shard], layout: dict, ops, diffs: list):
-    """One DP rank's tensor: TP shards (or SP pieces) joined per CP rank, then the CP pieces un-zigzagged."""
+def _assemble_dp_rank(shards: list[Shard], layout: dict, cp_bounds, ops, diffs: list):
+    """One DP rank's tensor: TP shards (or SP pieces) joined per CP rank, then the CP pieces un-zigzagged
+    (document by document in a packed row, at `cp_bounds`)."""
     sharding = shards[0].record.sharding
     by_cp = _group(shards, "cp_rank")
     pieces = []
@@ -113,7 +114,7 @@ def _assemble_dp_rank(shards: list[Shard], layout: dict, ops, diffs: list):
     if sharding.seq_dim is not None and layout["cp"] > 1:
         if len(pieces) != layout["cp"]:
             raise _Missing(f"has {len(pieces)} of {layout['cp']} CP pieces")
-        return ops.concat_cp(pieces, sharding.seq_dim)
+        return ops.concat_cp(pieces, sharding.seq_dim, cp_bounds)
     return first_replica(pieces, diffs, ops.replica_diff)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from megalign.alignment.compare import absent
 from megalign.alignment.compare.entries import Entry, Source, Value
+from megalign.alignment.compare.lineup import line_up
 from megalign.alignment.compare.metrics import (LogprobMetrics, StatsMetrics, TensorMetrics, logprob_metrics,
                                                 stats_metrics, tensor_metrics)
 from megalign.alignment.compare.reference import ReferenceVerdict, check_reference, judge
@@ -29,8 +30,9 @@ from megalign.alignment.errors import UserError, compile_pattern
 # Statuses. A tensor on one side only is legitimate (different attention kernels have different
 # submodules): counted, not failed. One that could not be reassembled was never compared, so it
 # fails unless the user allowed it (--allow-skipped), when it is SKIPPED and named in the summary.
+# A tensor set APART (lineup.py: positions, not tokens, under differently packed batches) is counted too.
 PASS, FAIL, SHAPE_MISMATCH = "pass", "fail", "shape_mismatch"
-ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED = "only_a", "only_b", "not_reassemblable", "skipped"
+ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_reassemblable", "skipped", "apart"
 FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
 
 
@@ -65,6 +67,7 @@ class Summary:
     only_b: int
     not_reassemblable: int
     skipped: int
+    apart: int
     first_divergence: Optional[str]  # "kind name" of the first failing row, in execution order
     first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
 
@@ -99,6 +102,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
                     reference: Optional[Source] = None) -> Report:
     """Compare every tensor the two sources share; NothingCompared when not one pair was compared.
     With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds."""
+    a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
     pattern = compile_pattern("--filter", name_filter) if name_filter else None
     skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None
     matched = match_entries(a, b)
@@ -179,6 +183,11 @@ class _Comparison:
             why = absent.reason(pair.kind, pair.name, self.kinds_b if pair.b is None else self.kinds_a)
             row.notes += [why] if why else []
             return _one_side(row, pair)
+        apart = pair.a.apart or pair.b.apart
+        if apart:
+            row.status, row.shape_a, row.shape_b = APART, pair.a.shape, pair.b.shape
+            row.notes.append(apart)
+            return row
         x, y = pair.a.load(), pair.b.load()
         row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype
         row.replica_diff_a, row.replica_diff_b = x.replica_diff, y.replica_diff
@@ -262,6 +271,6 @@ def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
 
     return Summary(compared=count(PASS, FAIL), passed=count(PASS), failed=count(FAIL),
                    shape_mismatch=count(SHAPE_MISMATCH), only_a=count(ONLY_A), only_b=count(ONLY_B),
-                   not_reassemblable=count(NOT_REASSEMBLABLE), skipped=count(SKIPPED),
+                   not_reassemblable=count(NOT_REASSEMBLABLE), skipped=count(SKIPPED), apart=count(APART),
                    first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None,
                    first_failure_by_kind=by_kind)

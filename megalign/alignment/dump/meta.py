@@ -25,7 +25,7 @@ def write_dump_meta(spec: RunSpec, elapsed_s: float, stack: str = "megatron", **
         "format": FORMAT, "version": VERSION, "stack": stack, "mode": spec.mode,
         "layout": asdict(spec.layout), "world_size": spec.layout.world_size,
         "model": spec.model.to_dict(), "dtype": spec.dtype, "device": spec.device,
-        "seq_len": spec.seq_len, "num_sequences": len(spec.tokens), "seed": spec.seed,
+        "seq_len": spec.seq_len, "num_sequences": len(spec.tokens), "packed": spec.packed, "seed": spec.seed,
         "loss_norm": spec.loss_norm, "attention": spec.attention, "stats_only": spec.stats_only,
         "filter": spec.filter, "hf_checkpoint": spec.hf, "elapsed_s": round(elapsed_s, 3),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

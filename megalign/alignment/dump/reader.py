@@ -7,13 +7,14 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
 
 from megalign.alignment.dump.format import DUMP_META, MANIFEST, RankCoords, TensorRecord, dtype_name, rank_dirname
-from megalign.alignment.dump.validate import check_manifest, check_meta, check_tensor_file
+from megalign.alignment.dump.sharding import BatchRow
+from megalign.alignment.dump.validate import check_manifest, check_meta, check_rows, check_tensor_file
 from megalign.alignment.errors import UserError
 
 
@@ -28,8 +29,8 @@ class RankManifest:
 class Dump:
     """A complete megalign dump on disk, read lazily: tensors are memory-mapped one at a time."""
 
-    def __init__(self, path: Path, meta: dict, ranks: list[RankManifest]):
-        self.path, self.meta, self.ranks = path, meta, ranks
+    def __init__(self, path: Path, meta: dict, ranks: list[RankManifest], rows: Optional[list[BatchRow]] = None):
+        self.path, self.meta, self.ranks, self.rows = path, meta, ranks, rows
 
     @staticmethod
     def is_dump(path: Path) -> bool:
@@ -46,6 +47,7 @@ class Dump:
             raise UserError(f"{path}: incomplete dump (no {DUMP_META}; the run that wrote it did not finish)"
                             if partial else f"{path}: not a megalign dump (no {DUMP_META})")
         meta = check_meta(_read_json(meta_path), str(meta_path))
+        rows = check_rows(meta, str(meta_path))
         ranks = []
         for rank in range(meta["world_size"]):
             manifest_path = path / rank_dirname(rank) / MANIFEST
@@ -54,10 +56,18 @@ class Dump:
             coords, records, extra = check_manifest(_read_json(manifest_path), str(manifest_path), rank,
                                                     meta["layout"], manifest_path.parent)
             ranks.append(RankManifest(dir=manifest_path.parent, coords=coords, records=records, extra=extra))
-        return cls(path, meta, ranks)
+        return cls(path, meta, ranks, rows)
 
     def layout(self) -> dict:
         return self.meta["layout"]
+
+    def cp_bounds(self, dp_rank: int) -> Optional[tuple[int, ...]]:
+        """Where a DP rank's row was cut for the CP split: at its documents (packed rows split per
+        document), or None (the whole row is one sequence)."""
+        if self.rows is None or self.meta.get("cp_split") != "document":
+            return None
+        row = self.rows[dp_rank * len(self.rows) // self.layout()["dp"]]
+        return row.bounds if len(row.bounds) > 2 else None
 
     def records(self) -> Iterator[tuple[RankManifest, TensorRecord]]:
         for rank in self.ranks:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megalign.alignment.dump.format import FORMAT, KINDS, VERSION, RankCoords, TensorRecord
-from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.dump.sharding import BatchRow, Sharding
 from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.errors import UserError
 
@@ -68,6 +68,42 @@ def check_meta(raw: Any, where: str) -> dict:
     if meta.get("world_size") != world:
         raise Malformed(f"{where}: world_size {meta.get('world_size')!r} is not the product of the layout ({world})")
     return meta
+
+
+def check_rows(meta: dict, where: str) -> Optional[list[BatchRow]]:
+    """dump.json's `rows` (optional: dumps of other tools lack them): the batch's documents, which the
+    CP split of a packed row follows and which line a packed run up with a padded one."""
+    if meta.get("rows") is None:
+        return None
+    raw_rows = meta["rows"]
+    if not isinstance(raw_rows, list) or not raw_rows or len(raw_rows) % meta["layout"]["dp"]:
+        raise Malformed(f"{where}: rows must be a non-empty list, a multiple of layout.dp long")
+    rows = []
+    for i, raw in enumerate(raw_rows):
+        row = _dict(raw, f"{where}: rows[{i}]")
+        bounds, lengths = row.get("bounds"), row.get("lengths")
+        if not isinstance(bounds, list) or not isinstance(lengths, list) or len(lengths) != len(bounds) - 1 \
+                or not lengths:
+            raise Malformed(f"{where}: rows[{i}] must have bounds and lengths, one length per document")
+        bounds = [_int(b, f"{where}: rows[{i}].bounds") for b in bounds]
+        lengths = [_int(n, f"{where}: rows[{i}].lengths") for n in lengths]
+        sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        if bounds[0] != 0 or min(sizes) <= 0 or any(n > size for n, size in zip(lengths, sizes)):
+            raise Malformed(f"{where}: rows[{i}]: bounds must rise from 0 and each document fit its bounds")
+        rows.append(BatchRow(bounds=tuple(bounds), lengths=tuple(lengths)))
+    if len({row.bounds[-1] for row in rows}) != 1:
+        raise Malformed(f"{where}: rows have different lengths")
+    if meta.setdefault("cp_split", "document") not in ("document", "row"):
+        raise Malformed(f"{where}: cp_split must be document or row, got {meta['cp_split']!r}")
+    cp = meta["layout"]["cp"]
+    if cp > 1 and any(size % (2 * cp) for row in rows for size in _sizes(row, meta["cp_split"])):
+        raise Malformed(f"{where}: rows: a document (or row) is not a multiple of 2*cp={2 * cp} long")
+    return rows
+
+
+def _sizes(row: BatchRow, cp_split: str) -> list[int]:
+    bounds = row.bounds if cp_split == "document" else (0, row.bounds[-1])
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def check_manifest(raw: Any, where: str, rank: int, layout: dict, rank_dir: Path) -> tuple[RankCoords, list, dict]:

@@ -38,6 +38,8 @@ class RunRequest:
     timeout_s: float = 600.0
     hf: Optional[Path] = None
     stack: str = "megatron"
+    packed: bool = False
+    packed_split: str = "document"
 
 
 def resolve_device(device: str) -> str:
@@ -50,7 +52,10 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def check_attention(attention: str, cp: int, dtype: str) -> None:
+def check_attention(attention: str, cp: int, dtype: str, packed: bool) -> None:
+    if attention == "local" and packed:
+        raise UserError("--attention local (megatron's DotProductAttention) does not take packed sequences; "
+                        "use --attention torch or te")
     if attention == "te" and dtype == "fp64":
         raise UserError("--dtype fp64 with --attention te: TransformerEngine's attention has no float64 kernels")
     if attention == "local" and cp > 1:
@@ -88,6 +93,9 @@ def check_stack(request: RunRequest) -> None:
     if (request.tp, request.pp, request.cp, request.dp) != (1, 1, 1, 1) or request.sp or request.distributed_optimizer:
         raise UserError("--stack hf runs transformers in one process: --tp, --pp, --cp and --dp must be 1, without "
                         "--sp or --distributed-optimizer")
+    if request.packed:
+        raise UserError("--stack hf runs padded batches only: drop --packed (compare lines a packed megatron run "
+                        "up with a padded one)")
 
 
 def plan_run(request: RunRequest) -> RunSpec:
@@ -95,13 +103,15 @@ def plan_run(request: RunRequest) -> RunSpec:
     model = resolve_model(request)
     tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
     check_tokens(tokens, model.vocab_size)
-    seq_len = resolve_seq_len(tokens, request.seq_len)
     layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp, dp=request.dp, sp=request.sp)
+    seq_len = resolve_seq_len(tokens, request.seq_len)
+    if request.packed:
+        seq_len = _packed_seq_len(tokens, request.seq_len, layout)
     layout.check(model, seq_len, len(tokens))
     check_distributed_optimizer(request)
     if request.filter:
         compile_pattern("--filter", request.filter)
-    check_attention(request.attention, request.cp, request.dtype)
+    check_attention(request.attention, request.cp, request.dtype, request.packed)
     if request.timeout_s <= 0:
         raise UserError("--timeout must be positive")
     check_out(request.out, request.overwrite)
@@ -110,4 +120,20 @@ def plan_run(request: RunRequest) -> RunSpec:
                    attention=request.attention, loss_norm=request.loss_norm, grad_source=request.grad_source,
                    filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s,
                    distributed_optimizer=request.distributed_optimizer,
-                   hf=str(request.hf) if request.hf else None)
+                   hf=str(request.hf) if request.hf else None, packed=request.packed,
+                   packed_split=request.packed_split)
+
+
+def _packed_seq_len(tokens: list[list[int]], seq_len: Optional[int], layout: Layout) -> int:
+    """The packed row's length: --seq-len, which must hold each DP rank's padded documents, or the shortest that does."""
+    from megalign.alignment.stacks.batch import packed_length, packed_rows
+
+    layout.check_sequences(len(tokens))
+    multiple = layout.packing_multiple
+    if seq_len is None:
+        return packed_length(tokens, layout.dp, multiple)
+    if seq_len % multiple:
+        raise UserError(f"--packed: --seq-len {seq_len} is not a multiple of {multiple} (each document is padded to "
+                        f"a multiple of {multiple} for the CP zigzag{' and SP' if layout.sp else ''})")
+    packed_rows(tokens, seq_len, layout.dp, multiple)  # raises when the documents do not fit
+    return seq_len

@@ -33,6 +33,10 @@ def _run(spec: RunSpec, rank: int) -> None:
 
         install_import_stubs()
         apply_cpu_patches()
+    else:
+        from megalign.alignment.stacks.megatron.cpu_patches import apply_te_stand_ins
+
+        apply_te_stand_ins()
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -46,12 +50,13 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megalign.alignment.dump.meta import write_dump_meta
     from megalign.alignment.dump.sharding import Sharding
     from megalign.alignment.dump.writer import RankWriter
-    from megalign.alignment.stacks.batch import build_batch
+    from megalign.alignment.stacks.batch import batch_rows, build_batch
     from megalign.alignment.stacks.megatron.capture import ActivationCapture, LocalShape
     from megalign.alignment.stacks.megatron.grads import collect_param_grads
     from megalign.alignment.stacks.megatron.loss import token_loss
     from megalign.alignment.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
                                                           transformer_config)
+    from megalign.alignment.stacks.megatron.packing import packed_seq_params, split_packed_over_cp
     from megalign.alignment.stacks.precision import precision
 
     started = time.monotonic()
@@ -81,11 +86,17 @@ def _run(spec: RunSpec, rank: int) -> None:
     _inject_fault(rank)
 
     backward = spec.mode == "backward"
-    batch = build_batch(spec.tokens, spec.seq_len).as_dict()
-    # Each DP rank takes its contiguous share of the sequences, then each CP rank its chunks of those.
+    rows = batch_rows(spec)
+    batch = build_batch(spec.tokens, rows).as_dict()
+    # Each DP rank takes its contiguous share of the rows, then each CP rank its chunks of those.
     batch = {key: value.chunk(layout.dp)[coords.dp_rank] for key, value in batch.items()}
-    if layout.cp > 1:
-        cp_group = parallel_state.get_context_parallel_group()
+    cp_group = parallel_state.get_context_parallel_group()
+    packed = None
+    if spec.packed:
+        row = rows[coords.dp_rank]  # one packed row a DP rank
+        batch = split_packed_over_cp(batch, row, cp_group, per_document=spec.packed_split == "document")
+        packed = packed_seq_params(row, cp_group, "cuda" if spec.device == "cuda" else "cpu")
+    elif layout.cp > 1:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     if spec.device == "cuda":
         batch = {k: v.cuda() for k, v in batch.items()}
@@ -112,7 +123,8 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     def forward_step(data_iterator, module):
         data = next(data_iterator)
-        losses = module(data["tokens"], data["position_ids"], attention_mask=None, labels=data["labels"])
+        losses = module(data["tokens"], data["position_ids"], attention_mask=None, labels=data["labels"],
+                        packed_seq_params=packed)
         return losses, partial(token_loss, writer, data["loss_mask"], spec.loss_norm)
 
     schedule = get_forward_backward_func()
@@ -131,7 +143,8 @@ def _run(spec: RunSpec, rank: int) -> None:
     emit("written", rank, tensors=len(writer.records), bytes=writer.bytes_written, loss=loss)
     dist.barrier()
     if rank == 0:
-        write_dump_meta(spec, elapsed_s=time.monotonic() - started)
+        write_dump_meta(spec, elapsed_s=time.monotonic() - started, rows=[row.to_dict() for row in rows],
+                        cp_split=spec.packed_split if spec.packed else "document")
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     emit("done", rank)

@@ -25,15 +25,18 @@ def open_megalign(path: Path) -> Source:
     meta, layout = dump.meta, dump.layout()
     entries = [Entry(kind=kind, name=name, order=_order(shards[0]), layer=shards[0].record.layer,
                      load=partial(reassemble, dump, shards), shape=full_shape(shards, layout),
-                     dtype=shards[0].record.dtype)
+                     dtype=shards[0].record.dtype, batch_dim=shards[0].record.sharding.dp_dim,
+                     seq_dim=shards[0].record.sharding.seq_dim)
                for (kind, name), shards in groups.items()]
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, "
                    f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
                    + (f" dp={layout['dp']}" if layout.get("dp", 1) > 1 else "") + (" sp" if layout.get("sp") else "")
                    + f", {meta.get('dtype', '?')}"
+                   + (", packed" if meta.get("packed") else "")
                    + (", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
-                  precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None)
+                  precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
+                  rows=dump.rows)
 
 
 def _order(shard: Shard) -> tuple:

@@ -22,14 +22,14 @@ from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.errors import UserError
 from megalign.alignment.spec import RunSpec
-from megalign.alignment.stacks.batch import DTYPES, build_batch, mean_token_loss
+from megalign.alignment.stacks.batch import DTYPES, batch_rows, build_batch, mean_token_loss
 from megalign.alignment.stacks.hf.checkpoint import HFCheckpoint, open_checkpoint
 from megalign.alignment.stacks.hf.families import SAME, Rule
 from megalign.alignment.stacks.hf.namemap import NameMap
 from megalign.alignment.stacks.precision import precision
 
-SEQ_FIRST = Sharding(seq_dim=0)  # megatron's layout of module outputs
-BATCH_FIRST = Sharding(seq_dim=1)  # inputs, logits, logprobs
+SEQ_FIRST = Sharding(seq_dim=0, dp_dim=1)  # megatron's layout of module outputs
+BATCH_FIRST = Sharding(seq_dim=1, dp_dim=0)  # inputs, logits, logprobs
 
 
 def run_hf(spec: RunSpec) -> tuple[RankWriter, float]:
@@ -37,7 +37,8 @@ def run_hf(spec: RunSpec) -> tuple[RankWriter, float]:
     started = time.monotonic()
     checkpoint = open_checkpoint(Path(spec.hf))
     model = load_model(checkpoint, spec)
-    batch = build_batch(spec.tokens, spec.seq_len)
+    rows = batch_rows(spec)
+    batch = build_batch(spec.tokens, rows)
     inputs = {k: v.to(spec.device) for k, v in batch.as_dict().items()}
     writer = RankWriter(Path(spec.out), RankCoords(rank=0), stats_only=spec.stats_only, name_filter=spec.filter)
     for key, value in inputs.items():
@@ -59,7 +60,8 @@ def run_hf(spec: RunSpec) -> tuple[RankWriter, float]:
     capture.remove()
     extra = {"grad_coverage": write_param_grads(model, checkpoint.names, writer)} if backward else {}
     writer.close(extra)
-    write_dump_meta(spec, elapsed_s=time.monotonic() - started, stack="hf", transformers=package_version("transformers"))
+    write_dump_meta(spec, elapsed_s=time.monotonic() - started, stack="hf", transformers=package_version("transformers"),
+                    rows=[row.to_dict() for row in rows], cp_split="document")
     return writer, float(loss.detach())
 
 
@@ -127,7 +129,7 @@ class HFCapture:
 
     def _hf_only(self, key: str, tensor: torch.Tensor) -> None:
         seq_dim = 1 if tensor.ndim > 1 and tensor.shape[1] == self.seq_len else None
-        self._write(key, tensor, Sharding(seq_dim=seq_dim), key.split("#")[0])
+        self._write(key, tensor, Sharding(seq_dim=seq_dim, dp_dim=0 if seq_dim is not None else None), key.split("#")[0])
 
     def _write(self, key: str, tensor: torch.Tensor, sharding: Sharding, module: str, joined: bool = False) -> None:
         # Everything deferred came after the join's first part: the join goes first.

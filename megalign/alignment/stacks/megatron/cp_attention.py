@@ -1,8 +1,9 @@
-"""A pure-torch causal core attention that works under context parallelism (zigzag layout).
+"""A pure-torch causal core attention that works under context parallelism and on packed rows.
 
-megatron-core's local DotProductAttention refuses context_parallel_size > 1 (CP needs
-TransformerEngine), so without TE this module is plugged in as `core_attention` of the local
-layer spec. Each CP rank all-gathers K and V over the CP group and masks by global position.
+megatron-core's local DotProductAttention refuses context_parallel_size > 1 and packed (THD)
+sequences (both need TransformerEngine), so without TE this module is plugged in as
+`core_attention` of the local layer spec. Each CP rank all-gathers K and V over the CP group and
+masks by global position and, in a packed row, by document.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from megalign.alignment.dump.sharding import zigzag_positions
+from megalign.alignment.dump.sharding import cp_positions
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -59,24 +60,36 @@ class ZigzagCPAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
-        # query [sq, b, heads, dim]; key, value [sk, b, groups, dim]: this CP rank's chunks.
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("megalign's CP attention does not take packed sequences or an attention bias")
+        # query [sq, b, heads, dim]; key, value [sk, b, groups, dim]: this CP rank's chunks. Packed (THD):
+        # [t, heads, dim], one row whose documents attend only within themselves.
+        if attention_bias is not None:
+            raise ValueError("megalign's CP attention does not take an attention bias")
+        packed = packed_seq_params is not None
+        if packed:
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))
         cp = self.cp_group.size() if self.cp_group is not None else 1
+        rank = self.cp_group.rank() if cp > 1 else 0
         local_len = query.shape[0]
+        bounds = _document_bounds(packed_seq_params) if packed else (0, local_len * cp)
+        q_pos = cp_positions(bounds, rank, cp, device=query.device)
+        k_pos = q_pos
         if cp > 1:
-            rank = self.cp_group.rank()
             key = _GatherSequence.apply(key, self.cp_group)
             value = _GatherSequence.apply(value, self.cp_group)
-            q_pos = zigzag_positions(local_len, rank, cp, device=query.device)
-            k_pos = torch.cat([zigzag_positions(local_len, r, cp, device=query.device) for r in range(cp)])
-        else:
-            q_pos = k_pos = torch.arange(local_len, device=query.device)
+            k_pos = torch.cat([cp_positions(bounds, r, cp, device=query.device) for r in range(cp)])
         if self.heads != self.groups:
             key = key.repeat_interleave(self.heads // self.groups, dim=2)
             value = value.repeat_interleave(self.heads // self.groups, dim=2)
         scores = torch.einsum("sbnh,tbnh->bnst", query, key).float() * self.softmax_scale
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(query.dtype)
+        edges = torch.tensor(bounds, device=query.device)
+        q_doc, k_doc = (torch.searchsorted(edges, pos, right=True) for pos in (q_pos, k_pos))
+        hidden = (k_pos[None, :] > q_pos[:, None]) | (k_doc[None, :] != q_doc[:, None])
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(query.dtype)
         context = torch.einsum("bnst,tbnh->sbnh", probs, value)
         return context.reshape(local_len, context.shape[1], -1)
+
+
+def _document_bounds(params) -> tuple[int, ...]:
+    """Where the packed row's documents start, padding included (what the CP split cut by)."""
+    bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return tuple(bounds.tolist())

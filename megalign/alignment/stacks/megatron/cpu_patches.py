@@ -1,6 +1,6 @@
-"""The few patches megatron-core needs to run on a CPU (gloo), in one place.
+"""The few patches megatron-core needs to run on a CPU (gloo), or without TransformerEngine, in one place.
 
-megatron-core assumes CUDA in a handful of functions. Each patch below names the megatron-core
+megatron-core assumes CUDA in a handful of functions, and TE for one index computation. Each patch below names the megatron-core
 function or attribute it replaces; `apply_cpu_patches` is called only when a run is on the CPU,
 and tests/test_cpu_patches.py fails loudly when an installed megatron-core no longer has a target
 (so a version bump cannot silently leave a patch pointing at nothing).
@@ -126,6 +126,20 @@ def _cpu_tied_embeddings():
     LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)
 
 
+def _thd_partitioned_indices():
+    from megatron.core import utils
+
+    from megalign.alignment.dump.sharding import cp_positions
+
+    if utils.tex is not None:
+        return  # TransformerEngine is installed: its kernel is the one training uses
+
+    def thd_get_partitioned_indices(cu_seqlens, total_tokens, world_size, rank):
+        return cp_positions(cu_seqlens.tolist(), rank, world_size, device=cu_seqlens.device)
+
+    utils.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
+
+
 def _on_cpu(schedule):
     """Run a schedule (or any megatron function) with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU."""
     from torch.overrides import TorchFunctionMode
@@ -151,6 +165,11 @@ def _on_cpu(schedule):
     return run
 
 
+THD_PARTITION = Patch(("megatron.core.utils:tex",),
+                      "packed (THD) batches are split over CP ranks document by document with TE's "
+                      "thd_get_partitioned_indices; without TE, the same indices computed in torch",
+                      _thd_partitioned_indices)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(("torch.cuda:current_device",), "model build asks for the current CUDA device", _cpu_current_device),
     Patch(("megatron.core.tensor_parallel.random:CudaRNGStatesTracker",
@@ -172,9 +191,16 @@ PATCHES: tuple[Patch, ...] = (
            "setup_embeddings_and_output_layer",),
           "with tied embeddings under PP the last stage's copy of the embeddings is moved with .cuda() before "
           "its all-reduce", _cpu_tied_embeddings),
+    THD_PARTITION,
 )
 
 _applied = False
+
+
+def apply_te_stand_ins() -> None:
+    """On CUDA: the one stand-in needed where TransformerEngine is not installed (a no-op where it is)."""
+    THD_PARTITION.check()
+    THD_PARTITION.apply()
 
 
 def apply_cpu_patches() -> None:

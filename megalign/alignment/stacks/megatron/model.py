@@ -53,12 +53,12 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
 
 
 def attention_backend(spec: RunSpec) -> str:
-    """Resolve --attention auto: TE on CUDA when installed, megatron's local attention at CP=1, else ours."""
+    """Resolve --attention auto: TE on CUDA when installed, megatron's local attention at CP=1 (unpacked), else ours."""
     if spec.attention != "auto":
         return spec.attention
     if spec.device == "cuda" and _has_transformer_engine():
         return "te"
-    return "local" if spec.layout.cp == 1 else "torch"
+    return "local" if spec.layout.cp == 1 and not spec.packed else "torch"
 
 
 def _has_transformer_engine() -> bool:
