@@ -192,7 +192,8 @@ def _summary(spec, result: RunResult, stack: str) -> None:
     lines = [("dump", str(result.out)) if result.landed else
              ("wrote", f"{result.out} (node 0 renames it to {spec.out} once every node has finished)"),
              ("run", f"{spec.mode}  {stack}  {layout.describe()}  {spec.dtype} on "
-                     f"{spec.device}  model={spec.model.name}  loss-norm={spec.loss_norm}"),
+                     f"{spec.device}  model={spec.model.name}  loss-norm={spec.loss_norm}"
+                     + (f"  packed: {spec.seq_len}-token rows" if spec.packed else "")),
              ("tensors", f"{result.tensors} records from {plural(result.ranks, 'rank')}"
                          + ("  (statistics only)" if spec.stats_only else "")),
              ("size", human_bytes(result.bytes))]
