@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 import pytest
 import typer
-
 from conftest import invoke
 
 from megalign.cli.app import app

@@ -48,6 +48,16 @@ class ModelConfig:
     qk_layernorm: bool = False
     tie_embeddings: bool = False
     init_method_std: float = 0.02
+    # Mixture of experts (megatron-core's MoELayer in every layer) when num_moe_experts is set.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's; default ffn_hidden_size
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a shared expert of this size, none by default
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (Mixtral's order)
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "none"
+    moe_aux_loss_coeff: float = 0.0
 
     @classmethod
     def from_yaml(cls, path: Path) -> "ModelConfig":
@@ -98,6 +108,34 @@ class ModelConfig:
                 raise UserError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.name, str) or not self.name:
             raise UserError(f"{source}: name must be a non-empty string, got {self.name!r}")
+        self._validate_moe(source)
+
+    def _validate_moe(self, source: str) -> None:
+        if self.num_moe_experts is None:
+            return
+        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise UserError(f"{source}: moe_router_topk={self.moe_router_topk} exceeds num_moe_experts="
+                            f"{self.num_moe_experts}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise UserError(f"{source}: moe_router_score_function must be softmax or sigmoid")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+            raise UserError(f"{source}: moe_router_load_balancing_type must be aux_loss, seq_aux_loss, "
+                            "global_aux_loss or none")
+        for name in ("moe_aux_loss_coeff", "moe_router_topk_scaling_factor"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value < 0):
+                raise UserError(f"{source}: {name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.moe_router_pre_softmax, bool):
+            raise UserError(f"{source}: moe_router_pre_softmax must be true or false")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
         if self.num_attention_heads % self.num_query_groups:
             raise UserError(f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_query_groups={self.num_query_groups}")
@@ -126,6 +164,8 @@ class Layout:
     cp: int = 1
     dp: int = 1
     sp: bool = False
+    ep: int = 1  # expert parallelism: the experts split over EP groups carved out of the TP x CP x DP ranks
+    etp: Optional[int] = None  # expert tensor parallelism; None: the same as tp (megatron's default)
 
     @property
     def world_size(self) -> int:
@@ -139,7 +179,36 @@ class Layout:
     def describe(self) -> str:
         """`tp=2 pp=1 cp=2`, with dp and sp where they are used."""
         return f"tp={self.tp} pp={self.pp} cp={self.cp}" + (f" dp={self.dp}" if self.dp > 1 else "") + \
-            (" sp" if self.sp else "")
+            (" sp" if self.sp else "") + (f" ep={self.ep}" if self.ep > 1 else "") + \
+            (f" etp={self.etp}" if self.etp not in (None, self.tp) else "")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def expert_dp(self) -> int:
+        """The smallest --dp that gives EP x ETP enough ranks: they are carved out of TP x CP x DP."""
+        need = self.ep * self.expert_tp
+        return max(1, need // math.gcd(need, self.tp * self.cp))
+
+    def _check_experts(self, model: ModelConfig) -> None:
+        if model.is_moe and self.tp > 1 and not self.sp:
+            raise UserError("an MoE model with --tp > 1 needs --sp (megatron-core refuses MoE with tensor "
+                            "parallelism and without sequence parallelism in training)")
+        if (self.ep, self.expert_tp) == (1, self.tp):
+            return
+        if self.ep < 1 or self.expert_tp < 1:
+            raise UserError("--ep and --etp must be at least 1")
+        if not model.is_moe:
+            raise UserError(f"--ep/--etp split experts, and the model {model.name!r} has none (set num_moe_experts)")
+        if model.num_moe_experts % self.ep:
+            raise UserError(f"--ep {self.ep} does not divide num_moe_experts={model.num_moe_experts}")
+        if self.expert_tp not in (1, self.tp):
+            raise UserError(f"--etp {self.expert_tp}: megalign runs expert tensor parallelism of 1 or --tp ({self.tp})")
+        if (self.tp * self.cp * self.dp) % (self.ep * self.expert_tp):
+            raise UserError(f"--ep {self.ep} x --etp {self.expert_tp} ranks must divide tp*cp*dp="
+                            f"{self.tp * self.cp * self.dp} (experts are split over those ranks); "
+                            f"pass --dp {self.expert_dp()}")
 
     def check_sequences(self, sequences: int) -> None:
         if self.dp < 1:
@@ -155,6 +224,7 @@ class Layout:
                 raise UserError(f"--{name} must be at least 1, got {size}")
         if self.sp and self.tp == 1:
             raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
+        self._check_experts(model)
         self.check_sequences(sequences)
         if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
             raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
@@ -200,6 +270,7 @@ class RunSpec:
     hf: Optional[str] = None  # a Hugging Face checkpoint folder to load instead of seeded weights
     packed: bool = False  # THD: each DP rank's sequences packed into one row, split over CP document by document
     packed_split: Literal["document", "row"] = "document"  # row: the classic bug, the row zigzagged as one sequence
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron's moe_token_dispatcher_type
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -200,6 +200,9 @@ def _print_summary(report: Report, allow_skipped: Optional[str]) -> None:
     if s.apart:
         parts.append(f"[yellow]{s.apart} not lined up[/] (positions, not tokens, in differently packed batches)")
     console.print(", ".join(parts), highlight=False, soft_wrap=True)
+    if s.first_routing_flip:
+        console.print(f"[bold red]routing flip:[/] {escape(s.first_routing_flip)}: the tensors after it see other "
+                      "experts", highlight=False, soft_wrap=True)
     if s.first_divergence:
         console.print(f"[bold red]first divergence:[/] {escape(s.first_divergence)}", highlight=False, soft_wrap=True)
         per_kind = "; ".join(f"{kind} {name}" for kind, name in s.first_failure_by_kind.items())

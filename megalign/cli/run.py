@@ -53,9 +53,17 @@ def run_command(mode: str):
         tp: int = typer.Option(1, "--tp", metavar="N", help="Tensor-parallel size."),
         pp: int = typer.Option(1, "--pp", metavar="N", help="Pipeline-parallel size."),
         cp: int = typer.Option(1, "--cp", metavar="N", help="Context-parallel size (load-balanced zigzag layout)."),
-        dp: int = typer.Option(1, "--dp", metavar="N",
-                               help="Data-parallel size: the sequences are split over N ranks (N must divide their "
-                                    "number); the loss is normalised over DP and CP together."),
+        dp: Optional[int] = typer.Option(None, "--dp", metavar="N", show_default=False,
+                                         help="Data-parallel size: the sequences are split over N ranks (N must divide "
+                                              "their number); the loss is normalised over DP and CP together. "
+                                              "Default: 1, or the DP size --ep needs."),
+        ep: int = typer.Option(1, "--ep", metavar="N",
+                               help="Expert-parallel size (MoE models): the experts split over N ranks, carved out "
+                                    "of the TP x CP x DP ranks, as megatron does."),
+        etp: Optional[int] = typer.Option(None, "--etp", metavar="N", show_default=False,
+                                          help="Expert tensor-parallel size: 1 or --tp. Default: --tp."),
+        moe_dispatcher: Literal["alltoall", "allgather"] = typer.Option(
+            "alltoall", "--moe-dispatcher", help="megatron's MoE token dispatcher (moe_token_dispatcher_type)."),
         sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (megatron's sequence_parallel): "
                                                     "activations outside attention and MLP split their sequence over "
                                                     "the TP ranks. Needs --tp > 1. Default: off."),
@@ -114,10 +122,12 @@ def run_command(mode: str):
                                                     help="A c10d rendezvous endpoint (as torchrun). Default: none."),
     ) -> None:
         out = out or Path("dumps") / (f"{mode}-hf" if stack == "hf" else
-                                      f"{mode}-tp{tp}-pp{pp}-cp{cp}" + (f"-dp{dp}" if dp > 1 else "") + ("-sp" if sp else "")
+                                      f"{mode}-tp{tp}-pp{pp}-cp{cp}" + (f"-dp{dp}" if dp and dp > 1 else "") + ("-sp" if sp else "")
+                                      + (f"-ep{ep}" if ep > 1 else "")
                                       + ("-thd" if packed else ""))
         request = RunRequest(mode=mode, out=out, config=config, hf=hf, stack=stack, tokens=tokens, seq_len=seq_len,
-                             tp=tp, pp=pp, cp=cp, dp=dp, sp=sp, distributed_optimizer=distributed_optimizer,
+                             tp=tp, pp=pp, cp=cp, dp=dp, sp=sp, ep=ep, etp=etp, moe_dispatcher=moe_dispatcher,
+                             distributed_optimizer=distributed_optimizer,
                              device=device, dtype=dtype, seed=seed, attention=attention, loss_norm=loss_norm,
                              grad_source=grad_source, filter=filter, stats_only=stats_only,
                              overwrite=overwrite, timeout_s=timeout, packed=packed, packed_split=packed_split)

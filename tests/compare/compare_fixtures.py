@@ -13,7 +13,6 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from megalign.alignment.dump.format import MANIFEST
-
 from megalign.alignment.dump.reader import Dump
 
 WRITER = Path(__file__).with_name("sglang_writer.py")

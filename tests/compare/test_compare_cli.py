@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from conftest import invoke
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2, copy_dump, perturb
+from conftest import invoke
 
 from megalign.alignment.dump.sharding import zigzag_positions
 

@@ -6,10 +6,9 @@ import pickle
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
-from conftest import invoke
 from compare_fixtures import CP1, CP2
+from conftest import invoke
+from safetensors.torch import save_file
 
 from megalign.alignment.compare.sources import open_source
 

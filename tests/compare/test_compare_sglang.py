@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from conftest import invoke
 from compare_fixtures import CP1, CP2, CP2_LOCAL, sglang_dump  # noqa: F401  (a fixture)
+from conftest import invoke
 
 
 def summary(tmp_path, *args):

@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-from conftest import invoke
 from compare_fixtures import CP1, CP2, TP2, copy_dump
+from conftest import invoke
+from safetensors.torch import load_file, save_file
 
 
 def plain(tmp_path, name: str, **tensors) -> str:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
-from safetensors.torch import save_file
-
-from conftest import invoke
 from compare_fixtures import CP2, sglang_dump  # noqa: F401  (a fixture)
+from conftest import invoke
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 SMALL = ("forward", "--cp", "2", "--filter", r"^decoder\.layers\.1\.mlp$|^logits$")
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,

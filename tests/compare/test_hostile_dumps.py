@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from safetensors.torch import save_file
 import torch
-
-from conftest import invoke
 from compare_fixtures import CP1, CP2, copy_dump
+from conftest import invoke
+from safetensors.torch import save_file
 
 SMALL = ("forward", "--filter", r"^decoder\.layers\.1\.mlp$|^logits$")  # a few tensors, quick to copy and read
 

@@ -4,12 +4,11 @@ each check has a twin showing that the naive merge would be caught."""
 from __future__ import annotations
 
 import torch
-
 from compare_fixtures import CP1, CP2, TP2
 
+from megalign.alignment.compare.sources import open_source
 from megalign.alignment.dump.reader import Dump
 from megalign.alignment.dump.sharding import merge_tp
-from megalign.alignment.compare.sources import open_source
 
 
 def entries(path):

@@ -16,9 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import invoke
-
 from test_run_errors import error_line, processes_with_env
 
 MEGALIGN = [sys.executable, "-m", "megalign"]

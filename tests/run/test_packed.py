@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import invoke
 from test_run_layouts import TINY_PARAMETERS, TOLERANCE
 

@@ -7,7 +7,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import invoke
 
 

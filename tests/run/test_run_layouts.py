@@ -7,7 +7,6 @@ fp32 on the CPU: everything must agree to 1e-5 (seen: about 1e-6 and below).
 from __future__ import annotations
 
 import pytest
-
 from conftest import max_abs_diffs, tensors
 
 TOLERANCE = 1e-5

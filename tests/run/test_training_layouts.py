@@ -12,7 +12,6 @@ import re
 import shutil
 
 import pytest
-
 from conftest import invoke, tensors
 from test_run_layouts import TINY_PARAMETERS, TOLERANCE, assert_agree
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from megalign.alignment.errors import UserError
 from megalign.alignment.spec import ModelConfig
 from megalign.alignment.stacks.megatron.cpu_patches import PATCHES
-from megalign.alignment.errors import UserError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import invoke, max_abs_diffs, tensors
 from planted import swap_query_and_key_head, with_config
 

@@ -12,10 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import invoke, max_abs_diffs
 from planted import swap_query_and_key_head, with_config
-
 from real_checkpoint import build
 
 # Forward-only planted-bug runs dump the first layers and the outputs: where the bug shows, and enough to

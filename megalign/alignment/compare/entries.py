@@ -17,7 +17,7 @@ from megalign.alignment.dump.stats import TensorStats
 
 # Execution order: forward tensors, then activation gradients (in backward order), then the
 # parameter gradients that the optimizer step would see.
-PHASES = {"input": 0, "activation": 0, "logits": 0, "logprobs": 0, "loss": 0, "param": 0,
+PHASES = {"input": 0, "activation": 0, "routing": 0, "logits": 0, "logprobs": 0, "loss": 0, "param": 0,
           "activation_grad": 1, "param_grad": 2}
 
 

@@ -93,6 +93,29 @@ class LogprobMetrics:
     frac_over_1: float
 
 
+@dataclass
+class RoutingMetrics:
+    """Two runs' expert choices, [..., topk] ids per token: how many tokens kept their top-k set, and
+    their order (by weight), and the first token (index without the top-k dim) whose set changed."""
+
+    tokens: int
+    same_set: int
+    same_order: int
+    first_flip: Optional[list[int]]
+
+    @property
+    def flipped(self) -> bool:
+        return self.same_set < self.tokens
+
+
+def routing_metrics(x: torch.Tensor, y: torch.Tensor) -> RoutingMetrics:
+    same_set = (x.sort(dim=-1).values == y.sort(dim=-1).values).all(dim=-1)
+    same_order = (x == y).all(dim=-1)
+    flips = (~same_set).nonzero()
+    return RoutingMetrics(tokens=same_set.numel(), same_set=int(same_set.sum()), same_order=int(same_order.sum()),
+                          first_flip=flips[0].tolist() if len(flips) else None)
+
+
 def rel_diff_of_sums(sum_sq_diff: float, sum_sq: float) -> float:
     return sum_sq_diff / sum_sq if sum_sq > 0 else 0.0
 

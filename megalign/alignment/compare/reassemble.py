@@ -66,8 +66,8 @@ class _StatsOps:
         return None  # summaries of replicas are not worth a warning of their own
 
 
-class _Missing(Exception):
-    """Shards are missing: the tensor cannot be put back together."""
+class _Missing(ValueError):
+    """Shards are missing, or replicas differ in shape: the tensor cannot be put back together."""
 
 
 def reassemble(dump: Dump, shards: list[Shard]) -> Value:
@@ -136,6 +136,9 @@ def _group(shards: list[Shard], coord: str) -> dict[int, list[Shard]]:
 
 def first_replica(replicas: list, diffs: list, differ=max_abs_diff):
     """The first replica, after recording how far `differ` finds the others from it."""
+    shapes = {tuple(getattr(r, "shape", ())) for r in replicas}
+    if len(shapes) > 1:
+        raise _Missing(f"has replicas of different shapes {sorted(shapes)}: not the same tensor on every rank")
     diffs.extend(differ(replicas[0], other) for other in replicas[1:])
     return replicas[0]
 

@@ -20,8 +20,8 @@ import torch
 from megalign.alignment.compare import absent
 from megalign.alignment.compare.entries import Entry, Source, Value
 from megalign.alignment.compare.lineup import line_up
-from megalign.alignment.compare.metrics import (LogprobMetrics, StatsMetrics, TensorMetrics, logprob_metrics,
-                                                stats_metrics, tensor_metrics)
+from megalign.alignment.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetrics, TensorMetrics,
+                                                logprob_metrics, routing_metrics, stats_metrics, tensor_metrics)
 from megalign.alignment.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.alignment.compare.thresholds import Thresholds, precision_of
 from megalign.alignment.dump.stats import TensorStats
@@ -51,6 +51,7 @@ class Row:
     dtype_mismatch: bool = False
     metrics: Union[TensorMetrics, StatsMetrics, None] = None
     logprobs: Optional[LogprobMetrics] = None
+    routing: Optional[RoutingMetrics] = None  # a router's expert choices: agreement, not a difference
     replica_diff_a: Optional[float] = None
     replica_diff_b: Optional[float] = None
     reference: Optional[ReferenceVerdict] = None  # with --reference: each side's distance to R, and which is off
@@ -69,6 +70,8 @@ class Summary:
     skipped: int
     apart: int
     first_divergence: Optional[str]  # "kind name" of the first failing row, in execution order
+    # The first router whose choices differ: a cause of its own, before the numeric drift it brings.
+    first_routing_flip: Optional[str]
     first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
 
     @property
@@ -204,6 +207,8 @@ class _Comparison:
         if list(x.shape) != list(y.shape):
             row.status = SHAPE_MISMATCH
             return row
+        if _is_routing_choice(pair.kind, x, y):
+            return _routing_row(row, x, y)
         if x.dtype != y.dtype:
             row.dtype_mismatch = True
             row.notes.append(f"dtype {x.dtype} vs {y.dtype}, compared in float64")
@@ -228,6 +233,21 @@ class _Comparison:
         replicas_nonfinite = any(v.replica_diff is not None and not math.isfinite(v.replica_diff) for v in (x, y))
         row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_nonfinite else PASS
         return row
+
+
+def _is_routing_choice(kind: str, x: Value, y: Value) -> bool:
+    return kind == "routing" and x.tensor is not None and y.tensor is not None and \
+        not x.tensor.is_floating_point() and not y.tensor.is_floating_point()
+
+
+def _routing_row(row: Row, x: Value, y: Value) -> Row:
+    """Expert ids are the same or not: the row fails when a token's top-k set changed."""
+    m = row.routing = routing_metrics(x.tensor, y.tensor)
+    row.notes.append(f"routing: {m.same_set / m.tokens:.2%} of {m.tokens} tokens keep their top-k set, "
+                     f"{m.same_order / m.tokens:.2%} its order"
+                     + (f"; first flip at token {','.join(map(str, m.first_flip))}" if m.flipped else ""))
+    row.status = FAIL if m.flipped else PASS
+    return row
 
 
 def _one_side(row: Row, pair: _Pair) -> Row:
@@ -273,4 +293,7 @@ def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
                    shape_mismatch=count(SHAPE_MISMATCH), only_a=count(ONLY_A), only_b=count(ONLY_B),
                    not_reassemblable=count(NOT_REASSEMBLABLE), skipped=count(SKIPPED), apart=count(APART),
                    first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None,
+                   first_routing_flip=next((f"{row.name} ({row.routing.same_set / row.routing.tokens:.2%} of tokens "
+                                            "keep their top-k set)" for row in rows
+                                            if row.routing is not None and row.routing.flipped), None),
                    first_failure_by_kind=by_kind)

@@ -31,8 +31,9 @@ VERSION = 1
 DUMP_META = "dump.json"
 MANIFEST = "manifest.json"
 
-Kind = Literal["input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss"]
-KINDS: tuple[str, ...] = ("input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss")
+Kind = Literal["input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss", "routing"]
+KINDS: tuple[str, ...] = ("input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss",
+                          "routing")
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -23,8 +23,11 @@ class RunRequest:
     tp: int = 1
     pp: int = 1
     cp: int = 1
-    dp: int = 1
+    dp: Optional[int] = None  # None: 1, or what --ep needs
     sp: bool = False
+    ep: int = 1
+    etp: Optional[int] = None
+    moe_dispatcher: str = "alltoall"
     distributed_optimizer: bool = False
     device: str = "auto"
     dtype: str = "fp32"
@@ -90,9 +93,10 @@ def check_stack(request: RunRequest) -> None:
         raise UserError(f"--stack {request.stack!r}: expected megatron or hf")
     if request.hf is None:
         raise UserError("--stack hf needs a checkpoint: pass --hf PATH")
-    if (request.tp, request.pp, request.cp, request.dp) != (1, 1, 1, 1) or request.sp or request.distributed_optimizer:
-        raise UserError("--stack hf runs transformers in one process: --tp, --pp, --cp and --dp must be 1, without "
-                        "--sp or --distributed-optimizer")
+    if (request.tp, request.pp, request.cp, request.dp or 1, request.ep) != (1, 1, 1, 1, 1) or request.sp \
+            or request.distributed_optimizer:
+        raise UserError("--stack hf runs transformers in one process: --tp, --pp, --cp, --dp and --ep must be 1, "
+                        "without --sp or --distributed-optimizer")
     if request.packed:
         raise UserError("--stack hf runs padded batches only: drop --packed (compare lines a packed megatron run "
                         "up with a padded one)")
@@ -103,7 +107,10 @@ def plan_run(request: RunRequest) -> RunSpec:
     model = resolve_model(request)
     tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
     check_tokens(tokens, model.vocab_size)
-    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp, dp=request.dp, sp=request.sp)
+    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp, dp=request.dp or 1, sp=request.sp, ep=request.ep,
+                    etp=request.etp)
+    if request.dp is None:
+        layout = replace(layout, dp=layout.expert_dp())
     seq_len = resolve_seq_len(tokens, request.seq_len)
     if request.packed:
         seq_len = _packed_seq_len(tokens, request.seq_len, layout)
@@ -120,7 +127,7 @@ def plan_run(request: RunRequest) -> RunSpec:
                    attention=request.attention, loss_norm=request.loss_norm, grad_source=request.grad_source,
                    filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s,
                    distributed_optimizer=request.distributed_optimizer,
-                   hf=str(request.hf) if request.hf else None, packed=request.packed,
+                   hf=str(request.hf) if request.hf else None, packed=request.packed, moe_dispatcher=request.moe_dispatcher,
                    packed_split=request.packed_split)
 
 

@@ -64,11 +64,15 @@ def _run(spec: RunSpec, rank: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=spec.timeout_s))
     layout = spec.layout
-    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
+    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp,
+                                             expert_model_parallel_size=layout.ep,
+                                             expert_tensor_parallel_size=layout.expert_tp)
     coords = RankCoords(rank=rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                         cp_rank=parallel_state.get_context_parallel_rank(),
                         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                         dp_rank=parallel_state.get_data_parallel_rank())
+    if layout.expert_tp == layout.tp > 1 and parallel_state.get_expert_tensor_parallel_rank() != coords.tp_rank:
+        raise RuntimeError("expert TP ranks differ from TP ranks: megalign cannot reassemble expert shards here")
     emit("started", rank)
 
     torch.manual_seed(spec.seed)
@@ -81,7 +85,7 @@ def _run(spec: RunSpec, rank: int) -> None:
         weights = megatron_weights(open_checkpoint(Path(spec.hf)))
     else:
         weights = seeded_weights(spec.seed, spec.model.init_method_std)
-    load_full_weights(model, spec.model, weights)
+    load_full_weights(model, spec.model, _planted_weights(weights))
     emit("built", rank)
     _inject_fault(rank)
 
@@ -161,6 +165,30 @@ def _inject_fault(rank: int) -> None:
         raise RuntimeError(f"fault injected by MEGALIGN_FAULT={fault}")
     if kind == "hang":
         time.sleep(10 ** 6)
+
+
+def _planted_weights(weights):
+    """MEGALIGN_FAULT=swap-experts@L gives experts 0 and 1 of layer L each other's weights (a checkpoint
+    converter's expert-index bug); perturb-router@L adds noise to layer L's router, enough to send some
+    tokens to other experts. How the tests plant MoE bugs in seeded or loaded weights alike."""
+    import torch
+
+    kind, _, layer = os.environ.get("MEGALIGN_FAULT", "").partition("@")
+    if kind not in ("swap-experts", "perturb-router"):
+        return weights
+    experts = f"decoder.layers.{layer}.mlp.experts."
+
+    def planted(name: str, shape: tuple):
+        if kind == "swap-experts" and name.startswith(experts):
+            index, _, rest = name[len(experts):].partition(".")
+            swapped = {"0": "1", "1": "0"}.get(index, index)
+            return weights(f"{experts}{swapped}.{rest}", shape)
+        value = weights(name, shape)
+        if kind == "perturb-router" and name == f"decoder.layers.{layer}.mlp.router.weight":
+            value = value + 0.5 * value.std() * torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        return value
+
+    return planted
 
 
 def main(argv: list[str]) -> None:

@@ -7,6 +7,7 @@ split over TP ranks; row-parallel linears all-reduce, so their outputs are repli
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -14,6 +15,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.moe.router import TopKRouter
 
 from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.writer import RankWriter
@@ -24,6 +26,9 @@ _TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")  #
 _QK_NORMS = ("q_layernorm", "k_layernorm")
 LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
 INPUT_CAPTURED = ".mlp.linear_fc2"  # modules whose input is dumped too, as `<name>#input`
+# Inside an MoE layer the experts see permuted tokens, as many as were routed to each: no sequence
+# layout to reassemble. The router's decisions are dumped instead (kind `routing`), and the layer's output.
+_EXPERTS = re.compile(r"\.mlp\.experts(\.|$)")
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ class ActivationCapture:
                  grads: bool):
         self.writer, self.model_config, self.local, self.grads = writer, model_config, local, grads
         self.last_stage = parallel_state.is_pipeline_last_stage()
-        self.handles = []
+        self.handles, self.routers = [], []
         for local, module in model.named_modules():
             if not local or isinstance(module, (IdentityOp, IdentityFuncOp)):
                 continue  # the root's output is the loss (dumped by the loss function); identities add nothing
@@ -84,6 +89,11 @@ class ActivationCapture:
             if local == "rotary_pos_emb" and not parallel_state.is_pipeline_first_stage():
                 continue  # every stage computes the same table; the first one dumps it
             name = global_name(model, local)
+            if _EXPERTS.search(name):
+                continue
+            if isinstance(module, TopKRouter):
+                self._trace_router(module, name)
+                continue
             self.handles.append(module.register_forward_hook(self._hook(name)))
             if local.endswith(INPUT_CAPTURED):
                 self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
@@ -109,6 +119,32 @@ class ActivationCapture:
                 self._record(kind, key, name, tensor, sharding, view)
 
         return record
+
+    def _trace_router(self, router: TopKRouter, name: str) -> None:
+        """Per MoE layer: the router logits [s, b, experts] (what megatron's gating returns), and the
+        experts chosen for each token with their weights, [s, b, topk], highest weight first."""
+        gating = router.gating
+
+        def traced_gating(hidden):
+            logits = gating(hidden)
+            self._record_routing(f"{name}.logits", name, logits)
+            return logits
+
+        def record(module, inputs, output):
+            probs, chosen = output  # [tokens, experts], tokens in [s, b] order; zero where not chosen
+            tokens = inputs[0].shape[:2]
+            weights, experts = probs.detach().masked_fill(~chosen, float("-inf")).topk(module.topk, dim=-1)
+            self._record_routing(f"{name}.experts", name, experts.view(*tokens, -1))
+            self._record_routing(f"{name}.weights", name, weights.view(*tokens, -1))
+
+        router.gating = traced_gating  # an instance attribute, taken off again by remove()
+        self.routers.append(router)
+        self.handles.append(router.register_forward_hook(record))
+
+    def _record_routing(self, key: str, module: str, tensor: torch.Tensor) -> None:
+        if self.writer.wants("routing", key):
+            self.writer.add("routing", key, tensor.detach(), self.local.seq_sharding(tensor, 0, 1), module=module,
+                            layer=layer_index(module))
 
     def _input_hook(self, name: str):
         """The down projection's input: SwiGLU's output, a bare function with no module of its own.
@@ -138,3 +174,5 @@ class ActivationCapture:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        for router in self.routers:
+            del router.gating

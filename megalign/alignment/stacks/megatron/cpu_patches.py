@@ -95,6 +95,16 @@ def _cpu_causal_mask():
 def _cpu_streams():
     torch.cuda.current_stream = lambda *args, **kwargs: torch.cpu.current_stream()
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.Stream = _HostStream
+    torch.cuda.stream = torch.cpu.stream
+
+
+class _HostStream(torch.cpu.Stream):
+    """torch.cpu.Stream's record_event returns None; on the CPU work is done when a call returns, so an
+    event that is always complete is exact."""
+
+    def record_event(self, event=None):
+        return torch.Event("cpu")
 
 
 def _cpu_rope_cp_slice():
@@ -124,6 +134,51 @@ def _cpu_tied_embeddings():
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
     LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+
+
+def _cpu_moe_splits():
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        # The split sizes of the all-to-all leave the GPU as numpy arrays; already on the CPU they stayed
+        # tensors, which all_to_all_single does not take as split sizes.
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _cpu_uneven_collectives():
+    """gloo's all_gather and reduce_scatter take equal sizes only; megatron's expert-TP path calls them
+    with per-rank split sizes. The same results on gloo: pieces padded to the largest and gathered; the
+    reduce-scatter as an all-reduce of which each rank keeps its piece."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        longest = max(output_split_sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        gathered = input_.new_empty((longest * group.size(), *input_.shape[1:]))
+        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        return torch.cat([piece[:size] for piece, size in zip(gathered.split(longest), output_split_sizes)])
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.split(list(input_split_sizes))[group.rank()].clone()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
 def _thd_partitioned_indices():
@@ -165,6 +220,15 @@ def _on_cpu(schedule):
     return run
 
 
+UNEVEN_COLLECTIVES = Patch(("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+                            "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim"),
+                           "with expert tensor parallelism the MoE dispatcher gathers and reduce-scatters pieces of "
+                           "different sizes, which gloo does not take", _cpu_uneven_collectives)
+
+MOE_SPLITS = Patch(("megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu",),
+                   "the all-to-all dispatcher turns its split sizes into numpy arrays only when they are on a GPU",
+                   _cpu_moe_splits)
+
 THD_PARTITION = Patch(("megatron.core.utils:tex",),
                       "packed (THD) batches are split over CP ranks document by document with TE's "
                       "thd_get_partitioned_indices; without TE, the same indices computed in torch",
@@ -178,8 +242,9 @@ PATCHES: tuple[Patch, ...] = (
           "the RNG tracker saves and restores CUDA generator states", _cpu_rng_tracker),
     Patch(("megatron.core.fusions.fused_softmax:get_default_causal_mask",),
           "transformer/utils.py builds the causal mask with device='cuda'", _cpu_causal_mask),
-    Patch(("torch.cuda:current_stream", "torch.cuda:synchronize"),
-          "DDP's start_grad_sync waits on the current CUDA stream; PP's p2p _communicate synchronizes CUDA",
+    Patch(("torch.cuda:current_stream", "torch.cuda:synchronize", "torch.cuda:Stream", "torch.cuda:stream"),
+          "DDP's start_grad_sync waits on the current CUDA stream; PP's p2p _communicate synchronizes CUDA; the "
+          "MoE all-to-all dispatcher makes a side stream for its device-to-host copies",
           _cpu_streams),
     Patch(("megatron.core.models.common.embeddings.rope_utils:get_pos_emb_on_this_cp_rank",
            "megatron.core.models.common.embeddings.rotary_pos_embedding:get_pos_emb_on_this_cp_rank"),
@@ -191,6 +256,8 @@ PATCHES: tuple[Patch, ...] = (
            "setup_embeddings_and_output_layer",),
           "with tied embeddings under PP the last stage's copy of the embeddings is moved with .cuda() before "
           "its all-reduce", _cpu_tied_embeddings),
+    MOE_SPLITS,
+    UNEVEN_COLLECTIVES,
     THD_PARTITION,
 )
 

@@ -27,6 +27,7 @@ from megalign.alignment.spec import VOCAB_PARAMS, ModelConfig, RunSpec
 from megalign.alignment.stacks.batch import DTYPES
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?=\.|$)")
 
 
 def transformer_config(spec: RunSpec) -> TransformerConfig:
@@ -46,9 +47,27 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         use_cpu_initialization=True, perform_initialization=False,
         # The loss function normalises (see loss.py), so megatron must neither average nor rescale.
         calculate_per_token_loss=True,
+        **_moe_config(spec),
         # Fusions go through torch.compile (about 20 s cold) and are not what is being compared.
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+
+
+def _moe_config(spec: RunSpec) -> dict:
+    model = spec.model
+    if not model.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_router_score_function=model.moe_router_score_function, moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type, moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=spec.moe_dispatcher, expert_model_parallel_size=spec.layout.ep,
+        expert_tensor_parallel_size=spec.layout.expert_tp,
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
     )
 
 
@@ -71,7 +90,8 @@ def layer_spec(spec: RunSpec, config: TransformerConfig):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.model.qk_layernorm)
-    layer = get_gpt_layer_local_spec(qk_layernorm=spec.model.qk_layernorm, normalization=spec.model.normalization)
+    layer = get_gpt_layer_local_spec(num_experts=spec.model.num_moe_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=spec.model.qk_layernorm, normalization=spec.model.normalization)
     if backend == "torch":
         from megalign.alignment.stacks.megatron.cp_attention import ZigzagCPAttention
 
@@ -150,12 +170,19 @@ def real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
 
 
 def global_name(model: GPTModel, local_name: str) -> str:
-    """`decoder.layers.<i>` counts from 0 on every PP stage; give it the global layer index."""
+    """`decoder.layers.<i>` counts from 0 on every PP stage, and `local_experts.<j>` from 0 on every
+    EP rank: give both their global index (experts as `experts.<e>`)."""
     match = _LAYER.match(local_name)
     if not match:
         return local_name
     layer = model.decoder.layers[int(match.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}" + local_name[match.end():]
+    name = f"decoder.layers.{layer.layer_number - 1}" + local_name[match.end():]
+    expert = _LOCAL_EXPERT.search(name)
+    if expert:
+        local_experts = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        index = parallel_state.get_expert_model_parallel_rank() * local_experts + int(expert.group(1))
+        name = f"{name[:expert.start()]}.mlp.experts.{index}{name[expert.end():]}"
+    return name
 
 
 def layer_index(name: str):
@@ -164,8 +191,9 @@ def layer_index(name: str):
 
 
 def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Parameter) -> Sharding:
-    """megatron marks TP-split parameters with `tensor_model_parallel` and `partition_dim`."""
-    if not getattr(param, "tensor_model_parallel", False):
+    """megatron marks TP-split parameters with `tensor_model_parallel` and `partition_dim`; an expert's
+    (`allreduce` False) are split over the expert TP ranks, which are the TP ranks or (ETP=1) none."""
+    if not getattr(param, "tensor_model_parallel", False) or _tp_size(param) == 1:
         return Sharding()
     fused = 2 if model_config.swiglu and ".linear_fc1." in name else 1
     return Sharding(tp_dim=param.partition_dim, tp_parts=fused)
@@ -179,7 +207,6 @@ def is_duplicate_embedding(name: str, param: torch.nn.Parameter) -> bool:
 
 def load_full_weights(model: GPTModel, model_config: ModelConfig, full: Callable[[str, tuple], torch.Tensor]) -> None:
     """Set every parameter from `full(global_name, full_shape)`, sliced to this rank's TP shard."""
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for local, param in model.named_parameters():
@@ -187,6 +214,7 @@ def load_full_weights(model: GPTModel, model_config: ModelConfig, full: Callable
             if is_duplicate_embedding(name, param):
                 name = "embedding.word_embeddings.weight"
             sharding = param_sharding(model_config, name, param)
+            tp_size = _tp_size(param)
             shape = list(param.shape)
             if sharding.tp_dim is not None:
                 shape[sharding.tp_dim] *= tp_size
@@ -196,6 +224,16 @@ def load_full_weights(model: GPTModel, model_config: ModelConfig, full: Callable
             if sharding.tp_dim is not None:
                 value = tp_shard(value, sharding, tp_rank, tp_size)
             param.copy_(value.to(param.dtype))
+
+
+def _is_expert(param: torch.nn.Parameter) -> bool:
+    return getattr(param, "allreduce", True) is False
+
+
+def _tp_size(param: torch.nn.Parameter) -> int:
+    if _is_expert(param):
+        return parallel_state.get_expert_tensor_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_world_size()
 
 
 def tp_shard(full: torch.Tensor, sharding: Sharding, tp_rank: int, tp_size: int) -> torch.Tensor:
