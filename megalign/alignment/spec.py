@@ -108,6 +108,16 @@ class ModelConfig:
                 raise UserError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.name, str) or not self.name:
             raise UserError(f"{source}: name must be a non-empty string, got {self.name!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise UserError(f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_query_groups={self.num_query_groups}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise UserError(f"{source}: hidden_size={self.hidden_size} is not a multiple of "
+                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+        if self.position_embedding not in ("rope", "learned_absolute"):
+            raise UserError(f"{source}: position_embedding must be rope or learned_absolute")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
         self._validate_moe(source)
 
     def _validate_moe(self, source: str) -> None:
@@ -136,16 +146,6 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
-        if self.num_attention_heads % self.num_query_groups:
-            raise UserError(f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
-                            f"num_query_groups={self.num_query_groups}")
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise UserError(f"{source}: hidden_size={self.hidden_size} is not a multiple of "
-                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
-        if self.position_embedding not in ("rope", "learned_absolute"):
-            raise UserError(f"{source}: position_embedding must be rope or learned_absolute")
-        if self.normalization not in ("RMSNorm", "LayerNorm"):
-            raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
 
     def padded_vocab_size(self, tp: int) -> int:
         """megatron splits the vocabulary evenly over TP ranks; a checkpoint's vocab need not divide."""
