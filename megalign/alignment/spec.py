@@ -271,6 +271,7 @@ class RunSpec:
     packed: bool = False  # THD: each DP rank's sequences packed into one row, split over CP document by document
     packed_split: Literal["document", "row"] = "document"  # row: the classic bug, the row zigzagged as one sequence
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron's moe_token_dispatcher_type
+    routing_replay: Optional[str] = None  # a safetensors file of recorded expert choices to force (compare/replay.py)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

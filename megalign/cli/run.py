@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal, Optional
 
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
 
+from megalign.alignment.compare.replay import check_fits, recorded_routing
 from megalign.alignment.errors import RunFailed, UserError
 from megalign.alignment.run.launch import (LaunchOptions, RunResult, check_options, launch, run_here, run_in_process,
                                            signals_as_interrupts)
 from megalign.alignment.run.plan import RunRequest, plan_run
+from megalign.alignment.stacks.batch import batch_rows
 from megalign.cli.render import console, err_console, fail, human_bytes, plural
 
 
@@ -64,6 +70,11 @@ def run_command(mode: str):
                                           help="Expert tensor-parallel size: 1 or --tp. Default: --tp."),
         moe_dispatcher: Literal["alltoall", "allgather"] = typer.Option(
             "alltoall", "--moe-dispatcher", help="megatron's MoE token dispatcher (moe_token_dispatcher_type)."),
+        routing: str = typer.Option("record", "--routing", metavar="record|replay:DUMP",
+                                    help="MoE routing. record: dump every router's logits, chosen experts and "
+                                         "weights (kind routing). replay:DUMP: force the experts and weights "
+                                         "DUMP recorded (same model and tokens, any layout or precision), "
+                                         "through megatron's router replay; gradients still reach the router."),
         sp: bool = typer.Option(False, "--sp", help="Sequence parallelism (megatron's sequence_parallel): "
                                                     "activations outside attention and MLP split their sequence over "
                                                     "the TP ranks. Needs --tp > 1. Default: off."),
@@ -131,11 +142,14 @@ def run_command(mode: str):
                              device=device, dtype=dtype, seed=seed, attention=attention, loss_norm=loss_norm,
                              grad_source=grad_source, filter=filter, stats_only=stats_only,
                              overwrite=overwrite, timeout_s=timeout, packed=packed, packed_split=packed_split)
+        replay_dir = None
         try:
             if launcher == "none" and overwrite:
                 raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
                                 "the folder); remove --out first")
             spec = plan_run(request)
+            replay_dir = _routing_replay(spec, stack, routing)
+            spec = replace(spec, routing_replay=str(replay_dir / REPLAY_FILE)) if replay_dir else spec
             with signals_as_interrupts():
                 if stack == "hf":
                     result = _run_hf(spec, launcher, overwrite)
@@ -156,6 +170,9 @@ def run_command(mode: str):
             fail(str(e), 1)
         except KeyboardInterrupt as e:
             fail(f"interrupted ({e.args[0] if e.args else 'SIGINT'}): every worker stopped, nothing written", 130)
+        finally:
+            if replay_dir is not None:
+                shutil.rmtree(replay_dir, ignore_errors=True)
         if result is not None:
             _summary(spec, result, stack)
 
@@ -164,6 +181,27 @@ def run_command(mode: str):
         "Run forward and backward and dump activations, activation gradients, parameter gradients, logits, "
         "logprobs and the loss.")
     return command
+
+
+REPLAY_FILE = "routing.safetensors"
+
+
+def _routing_replay(spec, stack: str, routing: str) -> Optional[Path]:
+    """--routing replay:DUMP: the recorded choices, checked against this run, in a temporary folder of
+    ours that the workers read (safetensors: no pickle); None for --routing record."""
+    if routing == "record":
+        return None
+    kind, _, source = routing.partition(":")
+    if kind != "replay" or not source:
+        raise UserError(f"--routing {routing!r}: expected record or replay:DUMP")
+    if not spec.model.is_moe or stack != "megatron":
+        raise UserError("--routing replay needs a megatron run of an MoE model")
+    recorded = recorded_routing(Path(source))
+    check_fits(recorded, Path(source), spec.tokens, spec.model.to_dict())
+    folder = Path(tempfile.mkdtemp(prefix="megalign-replay-"))
+    choices = recorded.in_rows(batch_rows(spec))
+    save_file({name: t.contiguous() for name, t in choices.items()}, str(folder / REPLAY_FILE))
+    return folder
 
 
 def _with_progress(spec, ranks: int, run) -> RunResult:

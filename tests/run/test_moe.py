@@ -2,12 +2,14 @@
 
 Real workers on gloo, configs/tiny-moe.yaml (4 experts, top-2). Every tensor agrees within the fp32
 tolerance, routing included (every token keeps its experts and their order), with both token
-dispatchers, EP=2 with TP=2 (expert TP 2 and 1) and EP=2 with CP=2. The failing twins are planted
+dispatchers, EP=2 with TP=2 (expert TP 2) and EP=2 with CP=2. The failing twins are planted
 in the weights (MEGALIGN_FAULT): two experts swapped in layer 1 (caught at that layer's MoE output,
 routing still equal), and layer 1's router perturbed (reported as a routing flip at that layer).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from conftest import invoke, max_abs_diffs
@@ -20,7 +22,6 @@ LAYOUTS = {
     "ep2-alltoall": ("--ep", "2"),
     "ep2-allgather": ("--ep", "2", "--moe-dispatcher", "allgather"),
     "ep2-tp2-sp": ("--ep", "2", "--tp", "2", "--sp"),
-    "ep2-tp2-sp-etp1": ("--ep", "2", "--tp", "2", "--sp", "--etp", "1"),
     "ep2-cp2": ("--ep", "2", "--cp", "2"),
 }
 ROUTERS = [f"decoder.layers.{layer}.mlp.router.{what}" for layer in (0, 1) for what in ("logits", "experts", "weights")]
@@ -44,7 +45,7 @@ def test_expert_parallel_layout_matches_the_single_rank_run(dump, layout):
 def planted(tmp_path, monkeypatch, fault: str):
     monkeypatch.setenv("MEGALIGN_FAULT", fault)
     out = tmp_path / fault
-    result = invoke(*MOE, "--ep", "2", "--out", out)
+    result = invoke(*MOE, "--out", out)
     assert result.exit_code == 0, result.output
     return out
 
@@ -81,3 +82,42 @@ def test_bad_expert_layouts_are_one_line_and_exit_2(tmp_path, args, message):
 def test_expert_parallelism_needs_experts(tmp_path):
     result = invoke("backward", "--ep", "2", "--out", tmp_path / "out")
     assert result.exit_code == 2 and "has none (set num_moe_experts)" in result.output
+
+
+def order_agreement(output: str) -> list[str]:
+    return [line.split("keep their top-k set, ")[1].split()[0] for line in output.splitlines()
+            if ".mlp.router.experts" in line]
+
+
+def test_replay_gives_a_bf16_run_the_fp32_routing(dump, tmp_path):
+    """bf16 alone reorders some tokens' experts in layer 1; replaying the fp32 run's choices (ids and
+    weights) makes them identical, at another layout (EP=2) and with the batch packed over CP=2."""
+    fp32 = dump(*MOE)
+    alone = invoke("compare", fp32, dump(*MOE, "--dtype", "bf16"))
+    assert order_agreement(alone.output) != ["100.00%", "100.00%"], alone.output
+    replayed = tmp_path / "replayed"
+    result = invoke(*MOE, "--dtype", "bf16", "--ep", "2", "--packed", "--cp", "2", "--routing", f"replay:{fp32}",
+                    "--out", replayed)
+    assert result.exit_code == 0, result.output
+    compared = invoke("compare", fp32, replayed)
+    assert compared.exit_code == 0, compared.output
+    assert order_agreement(compared.output) == ["100.00%", "100.00%"]
+    assert compared.output.count("100.00% of 52 tokens keep their top-k set") == 2
+
+
+@pytest.mark.parametrize("source, args, message", [
+    ("dense", (), "has no recorded routing"),
+    ("moe", ("--tokens", "{tmp}/other.json"), "recorded other tokens than this run's"),
+    ("moe", ("--config", "{tmp}/eight.yaml"), "recorded another model: num_moe_experts 4 vs 8"),
+    ("moe", ("--routing", "again"), "expected record or replay:DUMP"),
+])
+def test_a_replay_that_cannot_fit_is_one_line_and_exit_2(dump, tmp_path, source, args, message):
+    (tmp_path / "other.json").write_text("[[1, 2, 3, 4], [5, 6, 7, 8]]")
+    (tmp_path / "eight.yaml").write_text(Path("configs/tiny-moe.yaml").read_text().replace("num_moe_experts: 4",
+                                                                                          "num_moe_experts: 8"))
+    recorded = dump(*MOE) if source == "moe" else dump("backward")
+    args = [a.format(tmp=tmp_path) for a in args]
+    routing = [] if "--routing" in args else ["--routing", f"replay:{recorded}"]
+    result = invoke(*MOE, *routing, *args, "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert message in result.output and not (tmp_path / "out").exists()

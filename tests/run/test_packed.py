@@ -23,7 +23,7 @@ LENGTHS = (13, 30, 7, 22)  # uneven, two of them odd: padding between documents 
 LAYOUTS = {
     "cp1": (),
     "cp2": ("--cp", "2"),
-    "tp2-sp-cp2-dp2": ("--tp", "2", "--sp", "--cp", "2", "--dp", "2"),
+    "tp2-sp-cp2": ("--tp", "2", "--sp", "--cp", "2"),
 }
 
 

@@ -110,6 +110,10 @@ def _run(spec: RunSpec, rank: int) -> None:
     if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
         for key, value in batch.items():
             writer.add("input", key, value, Sharding(seq_dim=1, dp_dim=0))
+    if spec.routing_replay:
+        from megalign.alignment.stacks.megatron.moe import replay_routing
+
+        replay_routing(model, spec, rows, coords)  # before the capture's hooks, which then see the forced choices
     capture = ActivationCapture(model, writer, spec.model, local, grads=backward)
 
     if backward:

@@ -31,6 +31,7 @@ def open_megalign(path: Path) -> Source:
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, "
                    f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
                    + (f" dp={layout['dp']}" if layout.get("dp", 1) > 1 else "") + (" sp" if layout.get("sp") else "")
+                   + (f" ep={layout['ep']}" if isinstance(layout.get("ep"), int) and layout["ep"] > 1 else "")
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
                    + (", stats only" if meta.get("stats_only") else ""))

@@ -68,6 +68,7 @@ def _moe_config(spec: RunSpec) -> dict:
         moe_token_dispatcher_type=spec.moe_dispatcher, expert_model_parallel_size=spec.layout.ep,
         expert_tensor_parallel_size=spec.layout.expert_tp,
         moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+        moe_enable_routing_replay=spec.routing_replay is not None,
     )
 
 
