@@ -30,3 +30,17 @@ def with_config(source: Path, target: Path, **changes) -> Path:
     config = json.loads((source / "config.json").read_text())
     (target / "config.json").write_text(json.dumps({**config, **changes}))
     return target
+
+
+def swap_experts(source: Path, target: Path, layer: int) -> Path:
+    """Experts 0 and 1 of one layer trade their weights (a converter's expert-index mix-up)."""
+    shutil.copytree(source, target)
+    weights = load_file(str(target / "model.safetensors"))
+    swapped = {}
+    for name, tensor in weights.items():
+        for a, b in ((".experts.0.", ".experts.1."), (".experts.1.", ".experts.0.")):
+            if f"layers.{layer}." in name and a in name:
+                swapped[name.replace(a, b)] = tensor
+    weights.update(swapped)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target

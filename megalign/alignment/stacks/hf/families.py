@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
+import torch
+
 from megalign.alignment.errors import UserError
 from megalign.alignment.spec import ModelConfig
 
@@ -32,21 +34,67 @@ class Rule:
     # that are a module in one stack and a bare function in the other.
     on: str = "output"
 
-    def expand(self, layer: int) -> "Rule":
-        return replace(self, megatron=self.megatron.format(i=layer), hf=tuple(h.format(i=layer) for h in self.hf))
+    def expand(self, layer: int, expert: int = 0) -> "Rule":
+        return replace(self, megatron=self.megatron.format(i=layer, e=expert),
+                       hf=tuple(h.format(i=layer, e=expert) for h in self.hf))
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.megatron
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.megatron
 
 
 _L = "model.layers.{i}"
 _M = "decoder.layers.{i}"
 
 
-def _decoder_rules(qk_norm: bool = False) -> tuple[Rule, ...]:
+@dataclass(frozen=True)
+class Experts:
+    """Where a checkpoint keeps an MoE layer: the block's name on disk and each expert's linears.
+    transformers 5 fuses the experts in memory (`mlp.experts.gate_up_proj` [experts, 2*ffn, hidden],
+    `mlp.experts.down_proj`) and its router is `mlp.gate`, whatever the names on disk."""
+
+    block: str  # "mlp" (Qwen3-MoE) or "block_sparse_moe" (Mixtral)
+    gate: str
+    up: str
+    down: str
+
+    def rules(self) -> tuple[Rule, ...]:
+        moe, experts = f"{_L}.{self.block}", f"{_L}.{self.block}.experts.{{e}}"
+        return (
+            # Routing is written by the router's own hook (stack.py), as kind `routing`.
+            Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None),
+            Rule(f"{_M}.mlp.experts.{{e}}.linear_fc1", (f"{experts}.{self.gate}", f"{experts}.{self.up}"), join="cat",
+                 activation=None),
+            Rule(f"{_M}.mlp.experts.{{e}}.linear_fc2", (f"{experts}.{self.down}",), activation=None),
+        )
+
+    def checkpoint_grads(self, name: str, grad: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
+        """An in-memory parameter's gradient under the checkpoint's names (the experts unfused)."""
+        prefix = f"model.layers.{layer}.{self.block}"
+        if name.endswith(".mlp.gate.weight"):
+            return {f"{prefix}.gate.weight": grad}
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            halves = [g.chunk(2, dim=0) for g in grad]
+            return {**{f"{prefix}.experts.{e}.{self.gate}.weight": h[0] for e, h in enumerate(halves)},
+                    **{f"{prefix}.experts.{e}.{self.up}.weight": h[1] for e, h in enumerate(halves)}}
+        if name.endswith(".mlp.experts.down_proj"):
+            return {f"{prefix}.experts.{e}.{self.down}.weight": g for e, g in enumerate(grad)}
+        return {name: grad}
+
+
+def _decoder_rules(qk_norm: bool = False, experts: Optional[Experts] = None) -> tuple[Rule, ...]:
     """The Llama layout, layer by layer in execution order; `qk_norm`: Qwen3's RMSNorm over head_dim
-    on each query and key head, before RoPE."""
+    on each query and key head, before RoPE; `experts`: an MoE block in place of the MLP."""
+    dense_mlp = (
+        Rule(f"{_M}.mlp.linear_fc1", (f"{_L}.mlp.gate_proj", f"{_L}.mlp.up_proj"), join="cat"),
+        # SwiGLU's output, act(gate) * up: a bare function in both stacks, so the down projection's input.
+        Rule(f"{_M}.mlp.linear_fc2#input", (f"{_L}.mlp.down_proj",), params=False, on="input"),
+        Rule(f"{_M}.mlp.linear_fc2", (f"{_L}.mlp.down_proj",)),
+    )
     return (
         # megatron's `embedding` output is the lookup made sequence-first, the layout of every layer output.
         Rule("embedding.word_embeddings", ("model.embed_tokens",), activation="embedding"),
@@ -60,10 +108,8 @@ def _decoder_rules(qk_norm: bool = False) -> tuple[Rule, ...]:
         Rule(f"{_M}.self_attention.linear_proj", (f"{_L}.self_attn.o_proj",)),
         Rule(f"{_M}.self_attention", (f"{_L}.self_attn",), params=False),
         Rule(f"{_M}.pre_mlp_layernorm", (f"{_L}.post_attention_layernorm",)),
-        Rule(f"{_M}.mlp.linear_fc1", (f"{_L}.mlp.gate_proj", f"{_L}.mlp.up_proj"), join="cat"),
-        # SwiGLU's output, act(gate) * up: a bare function in both stacks, so the down projection's input.
-        Rule(f"{_M}.mlp.linear_fc2#input", (f"{_L}.mlp.down_proj",), params=False, on="input"),
-        Rule(f"{_M}.mlp.linear_fc2", (f"{_L}.mlp.down_proj",)),
+        *(experts.rules() if experts else dense_mlp),
+        # The MLP's (or MoE block's) output: `mlp` in memory in every family.
         Rule(f"{_M}.mlp", (f"{_L}.mlp",), params=False),
         Rule(_M, (_L,), params=False),
         Rule("decoder.final_layernorm", ("model.norm",)),
@@ -75,6 +121,8 @@ LLAMA_RULES = _decoder_rules()
 # Qwen2 is Llama with biases on q/k/v: megatron's add_qkv_bias, grouped like the weight (namemap.py).
 QWEN2_RULES = LLAMA_RULES
 QWEN3_RULES = _decoder_rules(qk_norm=True)
+QWEN3_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 
 
 @dataclass(frozen=True)
@@ -83,6 +131,7 @@ class Family:
     architecture: str  # config.json's architectures[0]
     rules: tuple[Rule, ...]
     config: Callable[[dict, str], dict] = field(repr=False)  # family-specific ModelConfig fields
+    experts: Optional[Experts] = None  # MoE families
 
 
 def _llama(raw: dict, source: str) -> dict:
@@ -104,6 +153,34 @@ def _qwen3(raw: dict, source: str) -> dict:
     return {"qk_layernorm": True}
 
 
+def _qwen3_moe(raw: dict, source: str) -> dict:
+    if raw.get("decoder_sparse_step", 1) != 1 or raw.get("mlp_only_layers"):
+        raise UserError(f"{source}: dense layers among the MoE layers (decoder_sparse_step, mlp_only_layers) are "
+                        "not supported")
+    # HF: softmax over all experts, top-k, renormalised when norm_topk_prob. megatron: top-k of the logits
+    # then softmax over them (the renormalised form), or softmax first (moe_router_pre_softmax).
+    return {**_qwen3(raw, source), **_moe(raw, source, ffn="moe_intermediate_size"),
+            "moe_router_pre_softmax": not raw.get("norm_topk_prob", False)}
+
+
+def _mixtral(raw: dict, source: str) -> dict:
+    if raw.get("sliding_window"):
+        raise UserError(f"{source}: sliding_window={raw['sliding_window']} (sliding-window attention) is not supported")
+    return {**_llama(raw, source), **_moe(raw, source, ffn="intermediate_size")}
+
+
+def _moe(raw: dict, source: str, ffn: str) -> dict:
+    # transformers 5 writes num_local_experts for every family; Qwen3-MoE checkpoints on the hub num_experts.
+    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    if experts is None:
+        raise UserError(f"{source}: config.json has neither num_local_experts nor num_experts")
+    try:
+        return {"num_moe_experts": experts, "moe_router_topk": raw["num_experts_per_tok"],
+                "moe_ffn_hidden_size": raw[ffn], "moe_router_score_function": "softmax"}
+    except KeyError as e:
+        raise UserError(f"{source}: config.json has no {e.args[0]!r}") from None
+
+
 def _no_sliding_window(raw: dict, source: str) -> None:
     if raw.get("use_sliding_window"):
         raise UserError(f"{source}: use_sliding_window=true (sliding-window attention) is not supported")
@@ -113,6 +190,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", LLAMA_RULES, _llama),
     Family("qwen2", "Qwen2ForCausalLM", QWEN2_RULES, _qwen2),
     Family("qwen3", "Qwen3ForCausalLM", QWEN3_RULES, _qwen3),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", _decoder_rules(qk_norm=True, experts=QWEN3_MOE_EXPERTS), _qwen3_moe,
+           experts=QWEN3_MOE_EXPERTS),
+    Family("mixtral", "MixtralForCausalLM", _decoder_rules(experts=MIXTRAL_EXPERTS), _mixtral,
+           experts=MIXTRAL_EXPERTS),
 )}
 
 

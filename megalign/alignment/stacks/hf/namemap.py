@@ -41,7 +41,9 @@ class NameMap:
             if rule is not None and rule.per_layer:
                 block.append(rule)
                 continue
-            self.rules += [r.expand(i) for i in range(model.num_layers) for r in block]
+            experts = range(model.num_moe_experts or 1)
+            self.rules += [r.expand(i, e) for i in range(model.num_layers) for r in block
+                           for e in (experts if r.per_expert else (0,))]
             block = []
             if rule is not None:
                 self.rules.append(rule)

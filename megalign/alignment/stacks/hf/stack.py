@@ -9,6 +9,7 @@ their HF names, where they show up as only-in-one-side rows.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from megalign.alignment.stacks.hf.families import SAME, Rule
 from megalign.alignment.stacks.hf.namemap import NameMap
 from megalign.alignment.stacks.precision import precision
 
+# transformers 5's MoE block, in memory in every family: `mlp.gate` (the router) and `mlp.experts`.
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
+_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts(\.|$)")
 SEQ_FIRST = Sharding(seq_dim=0, dp_dim=1)  # megatron's layout of module outputs
 BATCH_FIRST = Sharding(seq_dim=1, dp_dim=0)  # inputs, logits, logprobs
 
@@ -45,7 +49,7 @@ def run_hf(spec: RunSpec) -> tuple[RankWriter, float]:
         writer.add("input", key, value, BATCH_FIRST)
 
     backward = spec.mode == "backward"
-    capture = HFCapture(model, checkpoint.names, writer, spec.seq_len)
+    capture = HFCapture(model, checkpoint.names, writer, spec.seq_len, moe=checkpoint.family.experts is not None)
     with torch.set_grad_enabled(backward), precision(spec.dtype):
         logits = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], use_cache=False).logits
         writer.add("logits", "logits", logits, BATCH_FIRST)
@@ -58,7 +62,8 @@ def run_hf(spec: RunSpec) -> tuple[RankWriter, float]:
         if backward:
             loss.backward()
     capture.remove()
-    extra = {"grad_coverage": write_param_grads(model, checkpoint.names, writer)} if backward else {}
+    extra = {"grad_coverage": write_param_grads(model, checkpoint.names, writer, checkpoint.family.experts)} \
+        if backward else {}
     writer.close(extra)
     write_dump_meta(spec, elapsed_s=time.monotonic() - started, stack="hf", transformers=package_version("transformers"),
                     rows=[row.to_dict() for row in rows], cp_split="document")
@@ -82,7 +87,7 @@ class HFCapture:
     """Forward hooks on every HF module. An output with a megatron counterpart is written once all of
     its parts are in (q, k and v for linear_qkv), joined and made sequence-first."""
 
-    def __init__(self, model: torch.nn.Module, names: NameMap, writer: RankWriter, seq_len: int):
+    def __init__(self, model: torch.nn.Module, names: NameMap, writer: RankWriter, seq_len: int, moe: bool = False):
         self.names, self.writer, self.seq_len = names, writer, seq_len
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         # Outputs that come while a join waits for its parts (Qwen3's q_norm runs before k_proj) are
@@ -90,6 +95,12 @@ class HFCapture:
         self.deferred: list[tuple] = []
         self.handles = []
         for name, module in model.named_modules():
+            router = _ROUTER.match(name) if moe else None
+            if router:
+                self.handles.append(module.register_forward_hook(self._routing_hook(int(router.group(1)))))
+                continue
+            if moe and _EXPERTS.match(name):
+                continue  # the experts, fused in one module: their tokens are permuted, as in megatron's
             rule = names.rule_for_hf_module(name)
             if not name or (rule is not None and rule.activation is None):
                 continue  # the root's output is the loss; lm_head's are the logits, written from the output
@@ -108,6 +119,17 @@ class HFCapture:
                     self._part(rule, name, tensor)
                 else:
                     self._hf_only(f"{name}#{index}" if index else name, tensor)
+
+        return record
+
+    def _routing_hook(self, layer: int):
+        """The router's (logits, weights, experts) over [b*s] tokens, written as megatron's routing records."""
+        def record(module, inputs, output):
+            logits, weights, experts = output
+            router = f"decoder.layers.{layer}.mlp.router"
+            for what, tensor in (("logits", logits), ("experts", experts), ("weights", weights)):
+                tokens = tensor.detach().view(-1, self.seq_len, tensor.shape[-1]).transpose(0, 1)  # [s, b, ...]
+                self._write(f"{router}.{what}", tokens, SEQ_FIRST, router, kind="routing")
 
         return record
 
@@ -131,13 +153,14 @@ class HFCapture:
         seq_dim = 1 if tensor.ndim > 1 and tensor.shape[1] == self.seq_len else None
         self._write(key, tensor, Sharding(seq_dim=seq_dim, dp_dim=0 if seq_dim is not None else None), key.split("#")[0])
 
-    def _write(self, key: str, tensor: torch.Tensor, sharding: Sharding, module: str, joined: bool = False) -> None:
+    def _write(self, key: str, tensor: torch.Tensor, sharding: Sharding, module: str, joined: bool = False,
+               kind: str = "activation") -> None:
         # Everything deferred came after the join's first part: the join goes first.
-        self.deferred.insert(0 if joined else len(self.deferred), (key, tensor, sharding, module))
+        self.deferred.insert(0 if joined else len(self.deferred), (kind, key, tensor, sharding, module))
         if self.pending:
             return
-        for key, tensor, sharding, module in self.deferred:
-            self.writer.add("activation", key, tensor, sharding, module=module, layer=layer_of(module))
+        for kind, key, tensor, sharding, module in self.deferred:
+            self.writer.add(kind, key, tensor, sharding, module=module, layer=layer_of(module))
         self.deferred = []
 
     def remove(self) -> None:
@@ -145,10 +168,14 @@ class HFCapture:
             handle.remove()
 
 
-def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter) -> dict:
-    """Gradients joined into megatron's parameters (fused QKV, fused gate/up); HF-only ones as they are."""
+def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter, experts=None) -> dict:
+    """Gradients joined into megatron's parameters (fused QKV, fused gate/up); HF-only ones as they are.
+    MoE experts, fused in memory, are first cut into the checkpoint's per-expert tensors."""
     grads = {name: param.grad for name, param in model.named_parameters()}
     coverage = check_coverage([name for name, grad in grads.items() if not has_gradient(grad)], len(grads), ".grad")
+    if experts is not None:
+        grads = {key: value for name, grad in grads.items()
+                 for key, value in experts.checkpoint_grads(name, grad, layer_of(name)).items()}
     used = set()
     for megatron, (rule, parts) in names.params().items():
         value = names.join(rule, [grads[p] for p in parts], dim=0)
