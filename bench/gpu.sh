@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # megalign on one GPU (NCCL, world 1): fp32, bf16 and the fp64 reference, tiny and a 0.5B Qwen2
-# layout, GPU vs CPU (with and without --reference), a planted --loss-norm local run, and the speed
-# and memory ratios. Ends with a table of
+# layout, GPU vs CPU (with and without --reference), a planted --loss-norm local run, packed rows
+# and the MoE model with routing replay, and the speed and memory ratios. Ends with a table of
 # expectations; exits non-zero when one fails.
 #
 #   bash bench/gpu.sh [OUTDIR]            (OUTDIR default: $OUT, else gpu-out)
@@ -64,6 +64,18 @@ for model in $models; do
   expect "$model-compare-ref-bf16-vs-fp32" 0 $M compare "$d/bwd-bf16" "$d/bwd-fp32" --reference "$d/bwd-fp64"
   expect "$model-compare-ref-planted" 1 $M compare "$d/bwd-fp32" "$d/cpu-cp2-local" --reference "$d/bwd-fp64"
 done
+
+# The training layouts that fit one device: a packed (THD) row against the padded CPU run; the MoE
+# model against its CPU run; a bf16 MoE run replaying the fp32 run's routing.
+d=$DUMPS/layouts
+expect "packed-bwd-$DEVICE" 0 $M backward --device "$DEVICE" --packed --out "$d/packed"
+expect "compare-packed-$DEVICE-vs-padded-cpu" 0 $M compare "$DUMPS/tiny/cpu-fp32" "$d/packed"
+expect "moe-bwd-$DEVICE" 0 $M backward --device "$DEVICE" -c configs/tiny-moe.yaml --out "$d/moe"
+expect "moe-bwd-cpu" 0 $M backward --device cpu -c configs/tiny-moe.yaml --out "$d/moe-cpu"
+expect "compare-moe-$DEVICE-vs-cpu" 0 $M compare "$d/moe" "$d/moe-cpu"
+expect "moe-bwd-$DEVICE-bf16-replay" 0 $M backward --device "$DEVICE" -c configs/tiny-moe.yaml --dtype bf16 \
+  --routing "replay:$d/moe" --out "$d/moe-bf16-replay"
+expect "compare-moe-bf16-replay-vs-fp32" 0 $M compare "$d/moe" "$d/moe-bf16-replay"
 
 if [ -z "${QUICK:-}" ]; then
   big=configs/qwen2-0.5b.yaml
