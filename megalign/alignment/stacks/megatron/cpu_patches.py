@@ -181,6 +181,11 @@ def _cpu_uneven_collectives():
     mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
+def _cpu_no_compile():
+    # torch.compile's device checks call torch.cuda.current_device, which the CPU run answers "cpu".
+    torch._dynamo.config.disable = True
+
+
 def _thd_partitioned_indices():
     from megatron.core import utils
 
@@ -220,6 +225,11 @@ def _on_cpu(schedule):
     return run
 
 
+NO_COMPILE = Patch(("torch._dynamo.config:disable",),
+                   "megatron's jit_fuser compiles the MoE router's expert-bias step; on a host with CUDA, "
+                   "torch.compile then asks the patched torch.cuda.current_device for device properties",
+                   _cpu_no_compile)
+
 UNEVEN_COLLECTIVES = Patch(("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
                             "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim"),
                            "with expert tensor parallelism the MoE dispatcher gathers and reduce-scatters pieces of "
@@ -257,6 +267,7 @@ PATCHES: tuple[Patch, ...] = (
           "with tied embeddings under PP the last stage's copy of the embeddings is moved with .cuda() before "
           "its all-reduce", _cpu_tied_embeddings),
     MOE_SPLITS,
+    NO_COMPILE,
     UNEVEN_COLLECTIVES,
     THD_PARTITION,
 )
