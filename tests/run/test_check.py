@@ -9,11 +9,9 @@ from conftest import invoke
 
 def test_check_runs_both_and_passes(tmp_path):
     out = tmp_path / "check"
-    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2", "--reference", "--out", out,
-                    "--json", tmp_path / "r.jsonl")
+    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2", "--out", out, "--json", tmp_path / "r.jsonl")
     assert result.exit_code == 0, result.output
-    assert {p.name for p in out.iterdir()} == {"baseline", "target", "reference"}
-    assert json.loads((out / "reference" / "dump.json").read_text())["dtype"] == "fp64"
+    assert {p.name for p in out.iterdir()} == {"baseline", "target"}
     summary = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])
     assert summary["ok"] and summary["compared"] > 60
     assert "all compared tensors within threshold" in result.output
@@ -28,6 +26,7 @@ def test_check_catches_the_loss_bug_and_names_the_side(tmp_path):
     assert "first divergence: loss loss" in result.output and "B off" in result.output
     seeds = {json.loads((tmp_path / "check" / run / "dump.json").read_text())["seed"] for run in ("baseline", "target")}
     assert seeds == {5}
+    assert json.loads((tmp_path / "check" / "reference" / "dump.json").read_text())["dtype"] == "fp64"
 
 
 def test_a_failing_run_stops_check_with_its_error(tmp_path, capfd):

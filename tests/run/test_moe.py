@@ -20,9 +20,8 @@ MOE = ("backward", "--config", "configs/tiny-moe.yaml")
 MOE_PARAMETERS = 3 + 2 * (4 + 1 + 4 * 2)
 LAYOUTS = {
     "ep2-alltoall": ("--ep", "2"),
-    "ep2-allgather": ("--ep", "2", "--moe-dispatcher", "allgather"),
     "ep2-tp2-sp": ("--ep", "2", "--tp", "2", "--sp"),
-    "ep2-cp2": ("--ep", "2", "--cp", "2"),
+    "ep2-cp2-allgather": ("--ep", "2", "--cp", "2", "--moe-dispatcher", "allgather"),
 }
 ROUTERS = [f"decoder.layers.{layer}.mlp.router.{what}" for layer in (0, 1) for what in ("logits", "experts", "weights")]
 

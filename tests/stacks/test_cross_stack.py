@@ -171,4 +171,4 @@ def test_stack_hf_needs_a_checkpoint_and_one_process(checkpoints, tmp_path):
     result = invoke("forward", "--stack", "hf", "--out", tmp_path / "a")
     assert result.exit_code == 2 and "--stack hf needs a checkpoint" in result.output
     result = invoke("forward", "--stack", "hf", "--hf", checkpoints["llama"], "--cp", "2", "--out", tmp_path / "b")
-    assert result.exit_code == 2 and "--tp, --pp, --cp and --dp must be 1" in result.output
+    assert result.exit_code == 2 and "--tp, --pp, --cp, --dp and --ep must be 1" in result.output
