@@ -36,12 +36,14 @@ QKV0 = "decoder.layers.0.self_attention.linear_qkv"
 MEGATRON_PARAMS = {"llama": 15, "qwen2": 17, "qwen3": 18}  # qwen2: +2 qkv biases; qwen3: +4 qk norms, -1 tied output
 
 
-def build_checkpoint(family: str, path: Path) -> Path:
+def build_checkpoint(family: str, path: Path, families: dict = FAMILIES, tiny: dict = TINY) -> Path:
+    """A tiny random checkpoint of `family` saved by transformers; norm weights and biases randomised
+    so that they matter."""
     import transformers
 
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = families[family]
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **extra}))
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**tiny, **extra}))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

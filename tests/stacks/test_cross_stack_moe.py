@@ -9,9 +9,9 @@ experts 0 and 1 of layer 1 trade weights: caught at that layer's MoE output, rou
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import invoke, max_abs_diffs
 from planted import swap_experts
+from test_cross_stack import build_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=256, num_experts_per_tok=2)
@@ -27,19 +27,10 @@ LAYOUTS = [("qwen3-moe", ()), ("qwen3-moe", ("--ep", "2")), ("mixtral", ("--ep",
 
 @pytest.fixture(scope="session")
 def moe_checkpoints(tmp_path_factory):
-    import transformers
-
     root = tmp_path_factory.mktemp("hf-moe")
     made = {}
-    for family, (config_cls, model_cls, extra) in FAMILIES.items():
-        torch.manual_seed(0)
-        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**TINY, **extra}))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.add_(torch.randn_like(param) * 0.1)
-        model.save_pretrained(root / family)
-        made[family] = root / family
+    for family in FAMILIES:
+        made[family] = build_checkpoint(family, root / family, FAMILIES, TINY)
         made[f"{family}-swapped"] = swap_experts(root / family, root / f"{family}-swapped", layer=1)
     return made
 
