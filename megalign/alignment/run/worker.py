@@ -172,23 +172,17 @@ def _inject_fault(rank: int) -> None:
 
 
 def _planted_weights(weights):
-    """MEGALIGN_FAULT=swap-experts@L gives experts 0 and 1 of layer L each other's weights (a checkpoint
-    converter's expert-index bug); perturb-router@L adds noise to layer L's router, enough to send some
-    tokens to other experts. How the tests plant MoE bugs in seeded or loaded weights alike."""
+    """MEGALIGN_FAULT=perturb-router@L adds noise to layer L's router, enough to send some tokens to
+    other experts: how the tests plant a routing flip in seeded or loaded weights alike."""
     import torch
 
     kind, _, layer = os.environ.get("MEGALIGN_FAULT", "").partition("@")
-    if kind not in ("swap-experts", "perturb-router"):
+    if kind != "perturb-router":
         return weights
-    experts = f"decoder.layers.{layer}.mlp.experts."
 
     def planted(name: str, shape: tuple):
-        if kind == "swap-experts" and name.startswith(experts):
-            index, _, rest = name[len(experts):].partition(".")
-            swapped = {"0": "1", "1": "0"}.get(index, index)
-            return weights(f"{experts}{swapped}.{rest}", shape)
         value = weights(name, shape)
-        if kind == "perturb-router" and name == f"decoder.layers.{layer}.mlp.router.weight":
+        if name == f"decoder.layers.{layer}.mlp.router.weight":
             value = value + 0.5 * value.std() * torch.randn(shape, generator=torch.Generator().manual_seed(0))
         return value
 
