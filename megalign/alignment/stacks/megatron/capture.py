@@ -16,6 +16,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.writer import RankWriter
@@ -71,6 +72,14 @@ def output_sharding(module: torch.nn.Module, name: str, tensor: torch.Tensor, lo
     if leaf in _QK_NORMS:
         return replace(sharding, tp_dim=tensor.ndim - 2)  # [s, b, heads/tp, head_dim]
     return sharding
+
+
+def _replayed(router: TopKRouter) -> Optional[torch.Tensor]:
+    """The expert ids megatron's router replay forced on this router, if any."""
+    replay = getattr(router, "router_replay", None)
+    if replay is None or replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+        return None
+    return replay.target_topk_idx
 
 
 class ActivationCapture:
@@ -133,7 +142,12 @@ class ActivationCapture:
         def record(module, inputs, output):
             probs, chosen = output  # [tokens, experts], tokens in [s, b] order; zero where not chosen
             tokens = inputs[0].shape[:2]
-            weights, experts = probs.detach().masked_fill(~chosen, float("-inf")).topk(module.topk, dim=-1)
+            forced = _replayed(module)
+            if forced is not None:  # replayed choices in their recorded order: bf16 weights may tie
+                experts = forced.to(probs.device)
+                weights = probs.detach().gather(1, experts)
+            else:
+                weights, experts = probs.detach().masked_fill(~chosen, float("-inf")).topk(module.topk, dim=-1)
             self._record_routing(f"{name}.experts", name, experts.view(*tokens, -1))
             self._record_routing(f"{name}.weights", name, weights.view(*tokens, -1))
 
