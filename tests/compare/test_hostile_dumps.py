@@ -98,6 +98,19 @@ def test_non_utf8_json_is_exit_2(dump, victim, name):
     exit_2(invoke("compare", dump(*SMALL), victim), "unreadable")
 
 
+def test_a_tensor_file_whose_header_lies_is_exit_2(dump, victim):
+    """Offsets past the end of the file, or not the size of the tensor they claim: read nothing, exit 2."""
+    tensor_file = next((victim / "rank-00000").glob("*.safetensors"))
+    raw = tensor_file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"] = [0, 10 ** 12]
+    text = json.dumps(header).encode()
+    tensor_file.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
+    exit_2(invoke("compare", dump(*SMALL), victim), "unreadable tensor file")
+
+
 def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
     """The outside file holds exactly the tensor the record names: reading it would pass."""
     manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from safetensors import safe_open
 
 from megalign.alignment.dump.format import DUMP_META, MANIFEST, RankCoords, TensorRecord, dtype_name, rank_dirname
 from megalign.alignment.dump.sharding import BatchRow
+from megalign.alignment.dump.tensorfile import TensorFiles
 from megalign.alignment.dump.validate import check_manifest, check_meta, check_rows, check_tensor_file
 from megalign.alignment.errors import UserError
 
@@ -31,6 +31,7 @@ class Dump:
 
     def __init__(self, path: Path, meta: dict, ranks: list[RankManifest], rows: Optional[list[BatchRow]] = None):
         self.path, self.meta, self.ranks, self.rows = path, meta, ranks, rows
+        self.files = TensorFiles()
 
     @staticmethod
     def is_dump(path: Path) -> bool:
@@ -78,11 +79,7 @@ class Dump:
         if record.file is None:
             raise UserError(f"{self.path}: {record.name} was dumped with --stats-only and has no values")
         file = check_tensor_file(record.file, rank.dir, f"{self.path}: {record.name}")  # again: files can change
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                tensor = f.get_tensor(record.key)
-        except Exception as e:  # safetensors raises several types for a truncated or foreign file
-            raise UserError(f"{file}: unreadable tensor file ({e})") from None
+        tensor = self.files.load(file, record.key)
         if list(tensor.shape) != record.shape or dtype_name(tensor.dtype) != record.dtype:
             raise UserError(f"{file}: key {record.key!r} holds {dtype_name(tensor.dtype)} {list(tensor.shape)}, but "
                             f"the manifest's record {record.kind} {record.name} says {record.dtype} {record.shape}")
