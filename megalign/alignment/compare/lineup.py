@@ -50,6 +50,10 @@ def real_tokens(value: Value, batch_dim: int, seq_dim: int, rows: list[BatchRow]
         return value
     if value.tensor is None:
         return replace(value, problem="stats only: no values to line up the real tokens of packed and padded rows")
+    if value.tensor.ndim <= max(batch_dim, seq_dim) or \
+            (value.tensor.shape[batch_dim], value.tensor.shape[seq_dim]) != (len(rows), rows[0].bounds[-1]):
+        return replace(value, problem=f"shape {list(value.tensor.shape)} does not hold the dump's {len(rows)} rows "
+                                      f"of {rows[0].bounds[-1]} tokens")
     row_index, position = token_index(rows, value.tensor.device)
     tensor = value.tensor.movedim((batch_dim, seq_dim), (0, 1))[row_index, position]
     return replace(value, shape=list(tensor.shape), tensor=tensor)

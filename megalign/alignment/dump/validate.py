@@ -93,6 +93,10 @@ def check_rows(meta: dict, where: str) -> Optional[list[BatchRow]]:
         rows.append(BatchRow(bounds=tuple(bounds), lengths=tuple(lengths)))
     if len({row.bounds[-1] for row in rows}) != 1:
         raise Malformed(f"{where}: rows have different lengths")
+    documents = sum(len(row.lengths) for row in rows)
+    if documents != meta.get("num_sequences") or len(rows) not in (documents, meta["layout"]["dp"]):
+        raise Malformed(f"{where}: rows hold {documents} documents in {len(rows)} rows, for num_sequences "
+                        f"{meta.get('num_sequences')!r} (one a row, or packed one row a DP rank)")
     if meta.setdefault("cp_split", "document") not in ("document", "row"):
         raise Malformed(f"{where}: cp_split must be document or row, got {meta['cp_split']!r}")
     cp = meta["layout"]["cp"]
