@@ -1,15 +1,25 @@
-"""How fast and how lean `megalign compare` is on big dumps, as ratios only.
+"""How fast and how lean `megalign compare` is, as ratios only, on three pairs of dumps:
 
-Writes two synthetic dumps of about 1.1 GB each with megalign's own RankWriter: A at CP=1 (one
-rank), B at CP=2 (two ranks holding zigzag halves, so every tensor is reassembled) with small noise
-added. Then, each in a fresh process so that neither inherits the other's memory:
+    synthetic   two dumps of 17 large tensors (1.1 GB each) written with megalign's own RankWriter:
+                A at CP=1, B at CP=2 (zigzag halves, so every tensor is reassembled), small noise added
+    real        backward runs of the real SmolLM2-135M checkpoint (tests/real_checkpoint.py) at TP=1
+                and TP=3: 921 tensors of every kind, TP shards and replicas
+    llama-cp    backward runs of configs/llama-0.1b.yaml at CP=1 and CP=2: CP halves, and every
+                parameter gradient a replica on both CP ranks
 
-    read      read every file of both dumps once, in 16 MiB blocks (the floor any comparison pays)
-    compare   compare_sources(A, B) as `megalign compare` runs it
+For each pair, each in a fresh process so that none inherits another's memory:
 
-and prints compare time / read time (goal: under 2x) and the compare process's peak RSS increase
-(VmHWM during the comparison minus VmRSS before it) / the largest tensor. Temp files are removed.
-With --dumps A B it measures two existing dumps instead (bench/gpu.sh: the 0.5B gradient dumps).
+    read      read every file of both dumps once, in 16 MiB blocks, on one core (the floor any
+              comparison pays; the files are in the page cache, as they are after a run)
+    compare   compare_sources(A, B) as `megalign compare` runs it, on one core (pinned, one
+              worker) and on all cores
+
+and prints compare time / read time (goals: 2x on real dumps, 1.5x on the synthetic pair), and the
+compare process's peak RSS increase (VmHWM during the comparison minus VmRSS before it) / the
+largest tensor (goal: 2x). The compare process loads its compiled kernels before the clock starts,
+as it imports torch before; that one-time load is printed too, as a ratio to the real pair's read.
+
+usage: python bench/bench_compare.py [--pairs synthetic real llama-cp] [--dumps A B] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +41,7 @@ from megalign.alignment.dump.format import DUMP_META, FORMAT, VERSION, RankCoord
 from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.dump.sharding import Sharding, zigzag_chunks
 
+ROOT = Path(__file__).resolve().parents[1]
 TENSORS = 17
 SHAPE = (4096, 1, 4096)  # [s, b, h] fp32: 64 MiB each, 17 of them per dump
 CP = 2
@@ -50,25 +62,33 @@ print(time.perf_counter() - start)
 # ru_maxrss survives exec (a child starts with its parent's high-water mark), so the child reads
 # the kernel's own high-water mark, VmHWM, after resetting it to the current RSS (clear_refs 5).
 _COMPARE = """
-import sys, time
+import os, sys, time
 from pathlib import Path
 from megalign.alignment.compare.verdict import compare_sources
 from megalign.alignment.compare.sources import open_source
 from megalign.alignment.compare.thresholds import Thresholds
+from megalign.alignment.compare.fused import load_kernels
+a, b, expected, cores = sys.argv[1:5]
+if cores == "1":
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+start = time.perf_counter()
+load_kernels()
+kernels = time.perf_counter() - start
 def status(key):
     line = next(l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(key))
     return int(line.split()[1]) * 1024
 Path('/proc/self/clear_refs').write_text('5')
 before = status('VmRSS')
 start = time.perf_counter()
-report = compare_sources(open_source(sys.argv[1]), open_source(sys.argv[2]), Thresholds())
+report = compare_sources(open_source(a), open_source(b), Thresholds(), workers=len(os.sched_getaffinity(0)))
 elapsed = time.perf_counter() - start
-assert sys.argv[3] == "any" or report.summary.compared == int(sys.argv[3]), report.summary
-print(elapsed, status('VmHWM') - before)
+assert expected == "any" or report.summary.compared == int(expected), report.summary
+print(elapsed, status('VmHWM') - before, kernels)
 """
 
 
 def write_dumps(root: Path) -> None:
+    """The synthetic pair, in root/a and root/b."""
     generator = torch.Generator().manual_seed(0)
     single = RankWriter(root / "a", RankCoords(rank=0))
     halves = [RankWriter(root / "b", RankCoords(rank=r, cp_rank=r)) for r in range(CP)]
@@ -96,35 +116,72 @@ def run(script: str, *args: str) -> list[float]:
     return [float(v) for v in out.stdout.split()]
 
 
+def megalign(*args: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "megalign", *args, "--overwrite"], capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"megalign {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+
+
+def real_dumps(root: Path) -> tuple[Path, Path]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from real_checkpoint import build
+
+    checkpoint = build()
+    for tp in ("1", "3"):
+        megalign("backward", "--hf", str(checkpoint), "--tokens", str(checkpoint / "tokens.json"), "--seq-len", "36",
+                 "--tp", tp, "--out", str(root / f"real-tp{tp}"))
+    return root / "real-tp1", root / "real-tp3"
+
+
+def llama_dumps(root: Path) -> tuple[Path, Path]:
+    for cp in ("1", "2"):
+        megalign("backward", "--config", str(ROOT / "configs" / "llama-0.1b.yaml"), "--cp", cp,
+                 "--out", str(root / f"llama-cp{cp}"))
+    return root / "llama-cp1", root / "llama-cp2"
+
+
 def largest_tensor_bytes(*dumps: Path) -> int:
     from megalign.alignment.dump.reader import Dump
 
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "float64": 8}
-    return max(math.prod(r.shape) * itemsize.get(r.dtype, 4) for d in dumps for _, r in Dump.open(d).records())
+    return max(math.prod(r.shape) * getattr(torch, r.dtype).itemsize for d in dumps for _, r in Dump.open(d).records())
 
 
-def measure(a: Path, b: Path, expected: str) -> dict:
+def measure(a: Path, b: Path, expected: str = "any") -> dict:
     total = sum(p.stat().st_size for root in (a, b) for p in root.rglob("*.safetensors"))
-    read = min(run(_READ, str(a), str(b))[0] for _ in range(2))
-    compare_s, peak = run(_COMPARE, str(a), str(b), expected)
-    return {"dumps_gib": round(total / 2**30, 2), "compare_over_read": round(compare_s / read, 2),
-            "peak_rss_increase_over_largest_tensor": round(peak / largest_tensor_bytes(a, b), 2)}
+    read = min(run(_READ, str(a), str(b))[0] for _ in range(3))
+    one, _, _ = run(_COMPARE, str(a), str(b), expected, "1")
+    every, peak, kernels = run(_COMPARE, str(a), str(b), expected, "all")
+    return {"dumps_gib": round(total / 2**30, 2), "compare_over_read_1_core": round(one / read, 2),
+            f"compare_over_read_{os.cpu_count()}_cores": round(every / read, 2),
+            "peak_rss_increase_over_largest_tensor": round(peak / largest_tensor_bytes(a, b), 2),
+            "kernel_load_over_read": round(kernels / read, 2)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", nargs="+", choices=("synthetic", "real", "llama-cp"),
+                        default=["synthetic", "real", "llama-cp"])
     parser.add_argument("--dumps", nargs=2, type=Path, metavar=("A", "B"),
-                        help="measure on these two existing dumps instead of the synthetic pair")
+                        help="measure these two existing dumps instead (bench/gpu.sh: the 0.5B gradient dumps)")
+    parser.add_argument("--keep", type=Path, help="write the dumps here and keep them (default: a temp folder)")
     args = parser.parse_args()
     if args.dumps:
-        print(json.dumps({"dumps": [str(d) for d in args.dumps], **measure(*args.dumps, "any")}))
+        print(json.dumps({"dumps": [str(d) for d in args.dumps], **measure(*args.dumps)}))
         return
-    root = Path(tempfile.mkdtemp(prefix="megalign-bench-"))
+    root = args.keep or Path(tempfile.mkdtemp(prefix="megalign-bench-"))
     try:
-        write_dumps(root)
-        print(json.dumps({"tensors_per_dump": TENSORS, **measure(root / "a", root / "b", str(TENSORS))}))
+        for pair in args.pairs:
+            if pair == "synthetic":
+                write_dumps(root / "synthetic")
+                figures = measure(root / "synthetic" / "a", root / "synthetic" / "b", str(TENSORS))
+                shutil.rmtree(root / "synthetic")
+            else:
+                a, b = real_dumps(root) if pair == "real" else llama_dumps(root)
+                figures = measure(a, b)
+            print(json.dumps({"pair": pair, **figures}), flush=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ class Entry:
     batch_dim: Optional[int] = None
     seq_dim: Optional[int] = None
     apart: Optional[str] = None  # why this tensor cannot be lined up with the other side's (lineup.py)
+    # Set where `load(buffer=...)` places the tensor in a caller's buffer of this many bytes (reassemble.py).
+    nbytes: Optional[int] = None
 
 
 @dataclass

@@ -38,7 +38,7 @@ def _line_up(entry: Entry, rows: list[BatchRow]) -> Entry:
         if entry.shape is not None:
             rest = [size for dim, size in enumerate(entry.shape) if dim not in (entry.batch_dim, entry.seq_dim)]
             shape = [sum(sum(row.lengths) for row in rows), *rest]
-        return replace(entry, load=load, shape=shape)
+        return replace(entry, load=load, shape=shape, nbytes=None)
     if entry.seq_dim is not None:
         return replace(entry, apart=APART)
     return entry

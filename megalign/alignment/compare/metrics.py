@@ -1,7 +1,4 @@
-"""How far apart two tensors are, computed in float64 while streaming over both.
-
-Tensors are walked in chunks of CHUNK elements, converted to float64 into two reused buffers, so a
-comparison needs two small buffers besides the (memory-mapped) inputs, whatever the tensor size.
+"""How far apart two tensors are: every sum in float64, in one pass over both (fused.py).
 
 The relative difference is DeepGEMM's / sglang's `1 - 2*sum(x*y) / sum(x*x + y*y)`, computed in
 the algebraically equal form `sum((x-y)^2) / sum(x*x + y*y)`, which does not lose the small value
@@ -13,13 +10,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
+
+import numpy as np
 
 import torch
 
+from megalign.alignment.compare import fused
 from megalign.alignment.dump.stats import TensorStats
 
-CHUNK = 1 << 18  # 2 MiB of float64 per buffer: fits in cache, large enough for intra-op threads
+CHUNK = 1 << 18  # elements widened at a time for dtypes the fused pass does not read (2 MiB of float64)
 
 
 @dataclass
@@ -121,46 +121,36 @@ def rel_diff_of_sums(sum_sq_diff: float, sum_sq: float) -> float:
 
 
 def tensor_metrics(x: torch.Tensor, y: torch.Tensor) -> TensorMetrics:
-    """x and y have the same shape; any dtypes (compared in float64)."""
-    flat_x, flat_y = x.reshape(-1), y.reshape(-1)
-    n = flat_x.numel()
-    buf_a = torch.empty(min(CHUNK, n), dtype=torch.float64)
-    buf_b = torch.empty_like(buf_a)
-    xx = yy = dd = abs_sum = 0.0
-    finite_pairs = n
-    max_abs, max_index = -1.0, None
-    nan_a = nan_b = inf_a = inf_b = nonfinite_diff = 0
-    for start in range(0, n, CHUNK):
-        size = min(CHUNK, n - start)
-        a, b = buf_a[:size], buf_b[:size]
-        a.copy_(flat_x[start:start + size])
-        b.copy_(flat_y[start:start + size])
-        chunk_xx, chunk_yy = float(torch.dot(a, a)), float(torch.dot(b, b))
-        if not (math.isfinite(chunk_xx) and math.isfinite(chunk_yy)):
-            # Rare path: count, then zero the non-finite pairs so the sums cover finite ones only.
-            nan_x, nan_y, inf_x, inf_y = a.isnan(), b.isnan(), a.isinf(), b.isinf()
-            nan_a, nan_b = nan_a + int(nan_x.sum()), nan_b + int(nan_y.sum())
-            inf_a, inf_b = inf_a + int(inf_x.sum()), inf_b + int(inf_y.sum())
-            nonfinite_diff += int(((nan_x != nan_y) | (inf_x != inf_y) | (inf_x & inf_y & (a != b))).sum())
-            bad = ~(a.isfinite() & b.isfinite())
-            finite_pairs -= int(bad.sum())
-            a.masked_fill_(bad, 0.0)
-            b.masked_fill_(bad, 0.0)
-            chunk_xx, chunk_yy = float(torch.dot(a, a)), float(torch.dot(b, b))
-        xx, yy = xx + chunk_xx, yy + chunk_yy
-        d = a.sub_(b)
-        dd += float(torch.dot(d, d))
-        abs_sum += float(torch.linalg.vector_norm(d, 1))
-        low, high = torch.aminmax(d)  # several times faster than vector_norm(d, inf) on a CPU
-        chunk_max = max(abs(float(low)), abs(float(high)))
-        if chunk_max > max_abs:  # the argmax pass only runs when the maximum moves
-            max_abs, max_index = chunk_max, start + int(d.abs_().argmax())
+    """x and y have the same shape; any dtypes (compared in float64, fused.py)."""
+    total = fused.Sums()
+    for start, a, b in _float_chunks(x.reshape(-1), y.reshape(-1)):
+        total.add(fused.sums(a, b), start)
+    xx, yy, dd = total.xx, total.yy, total.dd
     xy = (xx + yy - dd) / 2
     cosine = xy / math.sqrt(xx * yy) if xx > 0 and yy > 0 else float(xx == yy)
-    return TensorMetrics(rel_diff=rel_diff_of_sums(dd, xx + yy), max_abs_diff=max(max_abs, 0.0),
-                         max_abs_index=unravel(max_index, list(x.shape)) if max_index is not None else None,
-                         mean_abs_diff=abs_sum / finite_pairs if finite_pairs else 0.0, cosine=cosine,
-                         nan_a=nan_a, nan_b=nan_b, inf_a=inf_a, inf_b=inf_b, nonfinite_diff=nonfinite_diff)
+    found = total.max_index >= 0
+    return TensorMetrics(rel_diff=rel_diff_of_sums(dd, xx + yy), max_abs_diff=max(total.max_abs, 0.0),
+                         max_abs_index=unravel(total.max_index, list(x.shape)) if found else None,
+                         mean_abs_diff=total.abs_diff / total.finite_pairs if total.finite_pairs else 0.0,
+                         cosine=cosine, nan_a=total.nan_a, nan_b=total.nan_b, inf_a=total.inf_a, inf_b=total.inf_b,
+                         nonfinite_diff=total.nonfinite_diff)
+
+
+def _float_chunks(x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """(start, x piece, y piece) as float32/float64 arrays: float32 and float64 tensors whole, as they
+    are; other dtypes widened exactly, CHUNK elements at a time into two reused buffers (to float32
+    when both are narrower floats, else float64: integers up to 2^53 are exact in it)."""
+    native = (torch.float32, torch.float64)
+    if x.dtype in native and y.dtype in native:
+        yield 0, x.numpy(), y.numpy()
+        return
+    narrow = all(t.is_floating_point() and t.element_size() <= 4 for t in (x, y))
+    n = x.numel()
+    buf_a = torch.empty(min(CHUNK, n), dtype=torch.float32 if narrow else torch.float64)
+    buf_b = torch.empty_like(buf_a)
+    for start in range(0, n, CHUNK):
+        size = min(CHUNK, n - start)
+        yield start, buf_a[:size].copy_(x[start:start + size]).numpy(), buf_b[:size].copy_(y[start:start + size]).numpy()
 
 
 def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:

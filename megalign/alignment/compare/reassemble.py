@@ -1,25 +1,37 @@
 """Put one tensor of a megalign dump back together from the shards of all ranks that hold it.
 
-For each CP rank, TP shards are concatenated on tp_dim in tp_rank order (tp_dim None: the TP ranks
-hold replicas; they are checked against each other and tp_rank 0's copy is used). Then, for a
-tensor with a sequence dim under CP, the CP pieces are un-zigzagged in cp_rank order; otherwise the
-CP ranks hold replicas too (parameter gradients after DDP's all-reduce, the loss). Under PP a name
-lives on one stage, whose ranks are exactly the shards given. Stats-only records are combined the
-same way, with TensorStats.combine in place of concatenation.
+Each shard's place in the full tensor is worked out per dim, as runs of local positions that land
+on consecutive global ones: along tp_dim, TP shards in tp_rank order (fused tensors, tp_parts,
+part by part); along the sequence dim, SP pieces in tp_rank order within their CP rank's piece, then
+the CP zigzag undone (document by document in a packed row, at the dump's bounds); along dp_dim, DP
+ranks in order. On an axis a tensor is not split on (no tp_dim, no sequence dim under CP, no
+dp_dim), the ranks hold replicas: the first is placed, the others are checked against it. Under PP
+a name lives on one stage, whose ranks are exactly the shards given.
+
+The full tensor is allocated once (in the caller's buffer when given: verdict.py reuses them) and
+every shard is read from its file straight into its place, one positioned read per block, where the
+block is contiguous on both sides; otherwise the shard is read whole and copied block by block.
+Stats-only records are combined with TensorStats.combine over the placed shards.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
+import itertools
+import math
+from dataclasses import dataclass, field
 from typing import Optional
+
+import torch
 
 from megalign.alignment.compare.entries import Value
 from megalign.alignment.compare.metrics import max_abs_diff
 from megalign.alignment.dump.format import TensorRecord
 from megalign.alignment.dump.reader import Dump, RankManifest
-from megalign.alignment.dump.sharding import merge_cp, merge_tp
+from megalign.alignment.dump.sharding import cp_positions
 from megalign.alignment.dump.stats import TensorStats
+from megalign.alignment.dump.tensorfile import read_into
+
+Run = tuple[int, int, int]  # (local start, global start, length) along one dim
 
 
 @dataclass
@@ -28,114 +40,149 @@ class Shard:
     record: TensorRecord
 
 
-class _TensorOps:
-    def __init__(self, dump: Dump):
-        self.dump = dump
-
-    def load(self, shard: Shard):
-        return self.dump.load(shard.rank, shard.record)
-
-    @staticmethod
-    def concat_tp(parts, dim: int, tp_parts: int):
-        return merge_tp(parts, dim, tp_parts)
-
-    @staticmethod
-    def concat_cp(parts, dim: int, bounds):
-        return merge_cp(parts, dim, bounds)
-
-    @staticmethod
-    def replica_diff(reference, other) -> Optional[float]:
-        return max_abs_diff(reference, other)
-
-
-class _StatsOps:
-    @staticmethod
-    def load(shard: Shard) -> TensorStats:
-        return shard.record.stats
-
-    @staticmethod
-    def concat_tp(parts, dim: int, tp_parts: int) -> TensorStats:
-        return TensorStats.combine(parts)
-
-    @staticmethod
-    def concat_cp(parts, dim: int, bounds) -> TensorStats:
-        return TensorStats.combine(parts)
-
-    @staticmethod
-    def replica_diff(reference, other) -> Optional[float]:
-        return None  # summaries of replicas are not worth a warning of their own
+@dataclass
+class _Placed:
+    shard: Shard
+    runs: dict[int, list[Run]] = field(default_factory=dict)  # dims the shard covers only part of
+    replicas: list[Shard] = field(default_factory=list)  # shards holding the same values
 
 
 class _Missing(ValueError):
-    """Shards are missing, or replicas differ in shape: the tensor cannot be put back together."""
+    """Shards are missing, or differ in shape: the tensor cannot be put back together."""
 
 
-def reassemble(dump: Dump, shards: list[Shard]) -> Value:
+def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] = None) -> Value:
+    """The tensor (or, for --stats-only records, its statistics); with `buffer` (bytes, at least
+    the tensor's size), the tensor lives in it."""
     layout = dump.layout()
     first = shards[0].record
-    stats_only = first.file is None
-    ops = _StatsOps() if stats_only else _TensorOps(dump)
     value = Value(shape=full_shape(shards, layout), dtype=first.dtype)
-    diffs: list = []
     try:
-        by_dp = _group(shards, "dp_rank")
-        pieces = [_assemble_dp_rank(by_dp[rank], layout, dump.cp_bounds(rank), ops, diffs) for rank in sorted(by_dp)]
-        full = _join(pieces, first.sharding.dp_dim, layout.get("dp", 1), "DP", ops.concat_tp, ops, diffs)
+        placed = _place(dump, shards, layout)
     except _Missing as e:
         value.problem = str(e)
         return value
-    if stats_only:
-        value.stats = full
-    else:
-        value.tensor = full
-    known = [d for d in diffs if d is not None]
-    value.replica_diff = max(known) if known else None
+    if first.file is None:
+        value.stats = TensorStats.combine(p.shard.record.stats for p in placed)
+        return value
+    dtype = dump.locate(shards[0].rank, first).dtype
+    full = _allocate(value.shape, dtype, buffer)
+    for p in placed:
+        _read_placed(dump, p, full)
+    diffs = [_replica_diff(dump, p, replica, full) for p in placed for replica in p.replicas]
+    value.tensor = full
+    value.replica_diff = max(diffs) if diffs else None
     return value
 
 
-def _assemble_dp_rank(shards: list[Shard], layout: dict, cp_bounds, ops, diffs: list):
-    """One DP rank's tensor: TP shards (or SP pieces) joined per CP rank, then the CP pieces un-zigzagged
-    (document by document in a packed row, at `cp_bounds`)."""
+def _place(dump: Dump, shards: list[Shard], layout: dict) -> list[_Placed]:
+    """Every shard's runs, or its place among the replicas of another; _Missing when the shards do
+    not make up the whole tensor exactly once."""
     sharding = shards[0].record.sharding
-    by_cp = _group(shards, "cp_rank")
-    pieces = []
-    for cp_rank in sorted(by_cp):
-        group = sorted(by_cp[cp_rank], key=lambda s: s.rank.coords.tp_rank)
-        loaded = [ops.load(s) for s in group]
-        if sharding.sp:
-            pieces.append(_join(loaded, sharding.seq_dim, layout["tp"], f"SP (on CP rank {cp_rank})",
-                                ops.concat_tp, ops, diffs))
-        elif sharding.tp_dim is not None:
-            if len(group) != layout["tp"]:
-                raise _Missing(f"has {len(group)} of {layout['tp']} TP shards on CP rank {cp_rank}")
-            pieces.append(ops.concat_tp(loaded, sharding.tp_dim, sharding.tp_parts))
+    tp, cp, dp = layout["tp"], layout["cp"], layout.get("dp", 1)
+    split_tp = sharding.sp or sharding.tp_dim is not None
+    split_cp = sharding.seq_dim is not None and cp > 1
+    split_dp = sharding.dp_dim is not None and dp > 1
+    shapes = {tuple(s.record.shape) for s in shards}
+    if len(shapes) > 1:
+        raise _Missing(f"has replicas of different shapes {sorted(shapes)}: not the same tensor on every rank")
+    by_key: dict[tuple[int, int, int], _Placed] = {}
+    for shard in sorted(shards, key=lambda s: (s.rank.coords.dp_rank, s.rank.coords.cp_rank, s.rank.coords.tp_rank)):
+        c = shard.rank.coords
+        key = (c.tp_rank if split_tp else 0, c.cp_rank if split_cp else 0, c.dp_rank if split_dp else 0)
+        if key in by_key:
+            by_key[key].replicas.append(shard)
         else:
-            pieces.append(first_replica(loaded, diffs, ops.replica_diff))
-    if sharding.seq_dim is not None and layout["cp"] > 1:
-        if len(pieces) != layout["cp"]:
-            raise _Missing(f"has {len(pieces)} of {layout['cp']} CP pieces")
-        return ops.concat_cp(pieces, sharding.seq_dim, cp_bounds)
-    return first_replica(pieces, diffs, ops.replica_diff)
+            by_key[key] = _Placed(shard, _runs(shard, layout, dump.cp_bounds(c.dp_rank), split_tp, split_cp, split_dp))
+    expected = (tp if split_tp else 1) * (cp if split_cp else 1) * (dp if split_dp else 1)
+    if len(by_key) != expected:
+        axes = [f"{n} {name}" for n, name, split in ((tp, "TP", split_tp), (cp, "CP", split_cp), (dp, "DP", split_dp))
+                if split]
+        raise _Missing(f"has {len(by_key)} of the {expected} shards its split ({' x '.join(axes)}) makes")
+    return list(by_key.values())
 
 
-def _join(pieces: list, dim, size: int, axis: str, concat, ops, diffs: list):
-    """Pieces split on `dim` over `size` ranks are concatenated in rank order; with no dim they are replicas."""
-    if dim is None or size == 1:
-        return first_replica(pieces, diffs, ops.replica_diff)
-    if len(pieces) != size:
-        raise _Missing(f"has {len(pieces)} of {size} {axis} pieces")
-    return concat(pieces, dim, 1)
+def _runs(shard: Shard, layout: dict, bounds, split_tp: bool, split_cp: bool, split_dp: bool) -> dict[int, list[Run]]:
+    shape, sharding, c = shard.record.shape, shard.record.sharding, shard.rank.coords
+    runs: dict[int, list[Run]] = {}
+    if split_tp and sharding.sp:
+        size = shape[sharding.seq_dim]
+        runs[sharding.seq_dim] = [(0, c.tp_rank * size, size)]  # within this CP rank's piece
+    elif split_tp:
+        parts = sharding.tp_parts
+        size = shape[sharding.tp_dim] // parts
+        runs[sharding.tp_dim] = [(p * size, (p * layout["tp"] + c.tp_rank) * size, size) for p in range(parts)]
+    if split_cp:
+        dim = sharding.seq_dim
+        piece = shape[dim] * (layout["tp"] if sharding.sp else 1)
+        positions = cp_positions(bounds or (0, piece * layout["cp"]), c.cp_rank, layout["cp"]).tolist()
+        runs[dim] = _through(runs.get(dim, [(0, 0, shape[dim])]), positions)
+    if split_dp:
+        size = shape[sharding.dp_dim]
+        runs[sharding.dp_dim] = [(0, c.dp_rank * size, size)]
+    return runs
 
 
-def _group(shards: list[Shard], coord: str) -> dict[int, list[Shard]]:
-    groups: dict[int, list[Shard]] = defaultdict(list)
-    for shard in shards:
-        groups[getattr(shard.rank.coords, coord)].append(shard)
-    return groups
+def _through(runs: list[Run], positions: list[int]) -> list[Run]:
+    """Runs whose global starts index `positions`, mapped onto those positions (split where they jump)."""
+    mapped = []
+    for local, start, length in runs:
+        begin = 0
+        for i in range(1, length + 1):
+            if i == length or positions[start + i] != positions[start + i - 1] + 1:
+                mapped.append((local + begin, positions[start + begin], i - begin))
+                begin = i
+    return mapped
+
+
+def _allocate(shape: list[int], dtype: torch.dtype, buffer: Optional[torch.Tensor]) -> torch.Tensor:
+    if buffer is None:
+        return torch.empty(shape, dtype=dtype)
+    size = math.prod(shape) * dtype.itemsize
+    return buffer[:size].view(dtype).view(shape)
+
+
+def _blocks(placed: _Placed, shape: list[int]):
+    """(local narrowings, global narrowings) of every block: one run per split dim."""
+    dims = sorted(placed.runs)
+    for combo in itertools.product(*(placed.runs[d] for d in dims)):
+        yield [(d, r[0], r[2]) for d, r in zip(dims, combo)], [(d, r[1], r[2]) for d, r in zip(dims, combo)]
+
+
+def _narrow(tensor: torch.Tensor, narrowings) -> torch.Tensor:
+    for dim, start, length in narrowings:
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _read_placed(dump: Dump, placed: _Placed, full: torch.Tensor) -> None:
+    """Read a shard into its place: block by block straight from the file where every block is
+    contiguous in the shard and in `full`, else whole into a temporary and copied."""
+    location = dump.locate(placed.shard.rank, placed.shard.record)
+    if not placed.runs:  # the whole tensor
+        read_into(location, full)
+        return
+    layout = torch.empty(location.shape, dtype=location.dtype, device="meta")  # strides and offsets only
+    blocks = [(_narrow(layout, local), _narrow(full, where)) for local, where in _blocks(placed, location.shape)]
+    if all(src.is_contiguous() and dst.is_contiguous() for src, dst in blocks):
+        for src, dst in blocks:
+            read_into(location, dst, src.storage_offset() * src.element_size())
+        return
+    whole = torch.empty(location.shape, dtype=location.dtype)
+    read_into(location, whole)
+    for local, where in _blocks(placed, location.shape):
+        _narrow(full, where).copy_(_narrow(whole, local))
+
+
+def _replica_diff(dump: Dump, placed: _Placed, replica: Shard, full: torch.Tensor) -> float:
+    """How far a replica is from the values placed for the shard it copies."""
+    values = dump.load(replica.rank, replica.record)
+    return max((max_abs_diff(_narrow(full, where), _narrow(values, local))
+                for local, where in _blocks(placed, values.shape)), default=0.0)
 
 
 def first_replica(replicas: list, diffs: list, differ=max_abs_diff):
-    """The first replica, after recording how far `differ` finds the others from it."""
+    """The first replica, after recording how far `differ` finds the others from it (sglang.py)."""
     shapes = {tuple(getattr(r, "shape", ())) for r in replicas}
     if len(shapes) > 1:
         raise _Missing(f"has replicas of different shapes {sorted(shapes)}: not the same tensor on every rank")

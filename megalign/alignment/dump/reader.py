@@ -1,4 +1,4 @@
-"""Reading a complete megalign dump: dump.json, every rank's manifest, tensors memory-mapped on demand."""
+"""Reading a complete megalign dump: dump.json, every rank's manifest, and tensors, each read on demand."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from megalign.alignment.dump.format import DUMP_META, MANIFEST, RankCoords, TensorRecord, dtype_name, rank_dirname
 from megalign.alignment.dump.sharding import BatchRow
-from megalign.alignment.dump.tensorfile import TensorFiles
+from megalign.alignment.dump.tensorfile import Location, TensorFiles, read_into
 from megalign.alignment.dump.validate import check_manifest, check_meta, check_rows, check_tensor_file
 from megalign.alignment.errors import UserError
 
@@ -27,11 +27,13 @@ class RankManifest:
 
 
 class Dump:
-    """A complete megalign dump on disk, read lazily: tensors are memory-mapped one at a time."""
+    """A complete megalign dump on disk, read lazily: a tensor is read when it is loaded."""
 
     def __init__(self, path: Path, meta: dict, ranks: list[RankManifest], rows: Optional[list[BatchRow]] = None):
         self.path, self.meta, self.ranks, self.rows = path, meta, ranks, rows
         self.files = TensorFiles()
+        self._located: dict[tuple, Location] = {}
+        self._checked: dict[tuple, Path] = {}  # (rank folder, file name) -> the checked file
 
     @staticmethod
     def is_dump(path: Path) -> bool:
@@ -75,14 +77,31 @@ class Dump:
             for record in rank.records:
                 yield rank, record
 
-    def load(self, rank: RankManifest, record: TensorRecord) -> torch.Tensor:
+    def locate(self, rank: RankManifest, record: TensorRecord) -> Location:
+        """Where a record's tensor lies, checked to hold what the manifest says (once per record)."""
+        key = (rank.coords.rank, record.file, record.key)
+        location = self._located.get(key)
+        if location is None:
+            location = self._located[key] = self._locate(rank, record)
+        return location
+
+    def _locate(self, rank: RankManifest, record: TensorRecord) -> Location:
         if record.file is None:
             raise UserError(f"{self.path}: {record.name} was dumped with --stats-only and has no values")
-        file = check_tensor_file(record.file, rank.dir, f"{self.path}: {record.name}")  # again: files can change
-        tensor = self.files.load(file, record.key)
-        if list(tensor.shape) != record.shape or dtype_name(tensor.dtype) != record.dtype:
-            raise UserError(f"{file}: key {record.key!r} holds {dtype_name(tensor.dtype)} {list(tensor.shape)}, but "
+        file = self._checked.get((rank.dir, record.file))
+        if file is None:
+            file = self._checked[(rank.dir, record.file)] = check_tensor_file(record.file, rank.dir,
+                                                                              f"{self.path}: {record.name}")
+        location = self.files.locate(file, record.key)
+        if location.shape != record.shape or dtype_name(location.dtype) != record.dtype:
+            raise UserError(f"{file}: key {record.key!r} holds {dtype_name(location.dtype)} {location.shape}, but "
                             f"the manifest's record {record.kind} {record.name} says {record.dtype} {record.shape}")
+        return location
+
+    def load(self, rank: RankManifest, record: TensorRecord) -> torch.Tensor:
+        location = self.locate(rank, record)
+        tensor = torch.empty(location.shape, dtype=location.dtype)
+        read_into(location, tensor)
         return tensor
 
 

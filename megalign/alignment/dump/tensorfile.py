@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,49 +31,76 @@ class _Unreadable(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Location:
+    """A tensor in a file: its dtype and shape, and the file offset of its first byte."""
+
+    path: Path
+    dtype: torch.dtype
+    shape: list[int]
+    offset: int
+
+
+def read_into(location: Location, out: torch.Tensor, start: int = 0) -> None:
+    """Fill the contiguous tensor `out` with the tensor's bytes from byte `start` on: a positioned
+    read straight into `out`'s memory, with no copy and no zero-filling."""
+    size = out.numel() * out.element_size()
+    if size == 0:
+        return
+    target = out.view(-1).view(torch.uint8).numpy()  # a writable view of out's memory, any dtype
+    done = 0
+    try:
+        # The file was checked when located; it may have been swapped since: no link, no waiting on a FIFO.
+        fd = os.open(location.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            while done < size:  # one read returns at most 2 GiB on Linux
+                got = os.preadv(fd, [target[done:]], location.offset + start + done)
+                if got == 0:
+                    raise UserError(f"{location.path}: unreadable tensor file (the file ends inside the tensor)")
+                done += got
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise UserError(f"{location.path}: unreadable tensor file ({e})") from None
+
+
 class TensorFiles:
-    """Headers of the files read so far, keyed by path, size and modification time (a file that
-    changes is read anew). Safe to share between threads."""
+    """Headers of the files read so far, each parsed once. Safe to share between threads. A file
+    that changes afterwards is not parsed again; one that shrinks fails its reads (read_into)."""
 
     def __init__(self):
-        self._headers: dict[tuple, tuple[int, dict]] = {}
+        self._headers: dict[Path, tuple[int, dict, int]] = {}  # path -> (data start, header, file size)
         self._lock = threading.Lock()
 
-    def load(self, path: Path, key: str) -> torch.Tensor:
+    def locate(self, path: Path, key: str) -> Location:
+        """Where a key's tensor lies, every header value checked against the file."""
         try:
-            with open(path, "rb") as f:
-                status = os.fstat(f.fileno())
-                data_start, header = self._header(f, (str(path), status.st_size, status.st_mtime_ns))
-                dtype, shape, begin, end = _entry(header, key, status.st_size - data_start)
-                buffer = bytearray(end - begin)
-                if end > begin and os.preadv(f.fileno(), [buffer], data_start + begin) != end - begin:
-                    raise _Unreadable("the file ends inside the tensor")
+            with self._lock:
+                known = self._headers.get(path)
+            data_start, header, size = known if known is not None else self._parse(path)
+            dtype, shape, begin, _ = _entry(header, key, size - data_start)
         except (OSError, _Unreadable) as e:
             raise UserError(f"{path}: unreadable tensor file ({e})") from None
-        if not buffer:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+        return Location(path, dtype, shape, data_start + begin)
 
-    def _header(self, f, cache_key: tuple) -> tuple[int, dict]:
-        with self._lock:
-            known = self._headers.get(cache_key)
-        if known is not None:
-            return known
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise _Unreadable("no header")
-        length = int.from_bytes(raw, "little")
-        if not 2 <= length <= min(MAX_HEADER, cache_key[1] - 8):
-            raise _Unreadable(f"header length {length}")
-        try:
-            header = json.loads(f.read(length).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise _Unreadable(f"header: {type(e).__name__}") from None
+    def _parse(self, path: Path) -> tuple[int, dict, int]:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise _Unreadable("no header")
+            length = int.from_bytes(raw, "little")
+            if not 2 <= length <= min(MAX_HEADER, size - 8):
+                raise _Unreadable(f"header length {length}")
+            try:
+                header = json.loads(f.read(length).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                raise _Unreadable(f"header: {type(e).__name__}") from None
         if not isinstance(header, dict):
             raise _Unreadable("header is not a JSON object")
-        parsed = (8 + length, header)
+        parsed = (8 + length, header, size)
         with self._lock:
-            self._headers[cache_key] = parsed
+            self._headers[path] = parsed
         return parsed
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from functools import partial
 from pathlib import Path
+
+import torch
 
 from megalign.alignment.compare.entries import Entry, Source, phase
 from megalign.alignment.compare.reassemble import Shard, full_shape, reassemble
@@ -23,11 +26,7 @@ def open_megalign(path: Path) -> Source:
             name = record.name if repeat == 0 else f"{record.name}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
     meta, layout = dump.meta, dump.layout()
-    entries = [Entry(kind=kind, name=name, order=_order(shards[0]), layer=shards[0].record.layer,
-                     load=partial(reassemble, dump, shards), shape=full_shape(shards, layout),
-                     dtype=shards[0].record.dtype, batch_dim=shards[0].record.sharding.dp_dim,
-                     seq_dim=shards[0].record.sharding.seq_dim)
-               for (kind, name), shards in groups.items()]
+    entries = [_entry(dump, kind, name, shards) for (kind, name), shards in groups.items()]
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, "
                    f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
                    + (f" dp={layout['dp']}" if layout.get("dp", 1) > 1 else "") + (" sp" if layout.get("sp") else "")
@@ -38,6 +37,15 @@ def open_megalign(path: Path) -> Source:
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
                   rows=dump.rows)
+
+
+def _entry(dump: Dump, kind: str, name: str, shards: list[Shard]) -> Entry:
+    record = shards[0].record
+    shape = full_shape(shards, dump.layout())
+    itemsize = getattr(torch, record.dtype).itemsize
+    return Entry(kind=kind, name=name, order=_order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
+                 shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
+                 nbytes=None if record.file is None else math.prod(shape) * itemsize)
 
 
 def _order(shard: Shard) -> tuple:
