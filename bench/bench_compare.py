@@ -17,7 +17,7 @@ For each pair, each in a fresh process so that none inherits another's memory:
 and prints compare time / read time (goals: 2x on real dumps, 1.5x on the synthetic pair), and the
 compare process's peak RSS increase (VmHWM during the comparison minus VmRSS before it) / the
 largest tensor (goal: 2x). The compare process loads its compiled kernels before the clock starts,
-as it imports torch before; that one-time load is printed too, as a ratio to the real pair's read.
+as it imports torch before; that one-time load is printed too, as a ratio to the same read.
 
 usage: python bench/bench_compare.py [--pairs synthetic real llama-cp] [--dumps A B] [--keep DIR]
 """
@@ -37,9 +37,8 @@ from pathlib import Path
 import torch
 
 from megalign.alignment.dump.format import DUMP_META, FORMAT, VERSION, RankCoords, write_json_atomic
-
-from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.dump.sharding import Sharding, zigzag_chunks
+from megalign.alignment.dump.writer import RankWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORS = 17

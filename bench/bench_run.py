@@ -46,10 +46,11 @@ def forward_memory(config: Path, ddp: bool, device: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megalign.alignment.spec import ModelConfig, RunSpec
-    from megalign.alignment.stacks.megatron.model import build_model, load_full_weights, seeded_weights, transformer_config
     from megalign.alignment.run.tokens import default_tokens
-    from megalign.alignment.stacks.batch import build_batch
+    from megalign.alignment.spec import ModelConfig, RunSpec
+    from megalign.alignment.stacks.batch import batch_rows, build_batch
+    from megalign.alignment.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
+                                                          transformer_config)
 
     dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
@@ -64,7 +65,7 @@ def forward_memory(config: Path, ddp: bool, device: str) -> dict:
     if ddp:
         model = DistributedDataParallel(torch_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     model.train(False)
-    batch = {k: v.to(device) for k, v in build_batch(tokens, 32).as_dict().items()}
+    batch = {k: v.to(device) for k, v in build_batch(tokens, batch_rows(spec)).as_dict().items()}
     with torch.no_grad():
         model(batch["tokens"], batch["position_ids"], attention_mask=None, labels=batch["labels"])
     if device == "cuda":

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
-
 import torch
 
 from megalign.alignment.compare import fused

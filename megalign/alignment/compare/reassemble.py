@@ -31,6 +31,7 @@ from megalign.alignment.dump.sharding import cp_positions
 from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.dump.tensorfile import read_into
 
+REPLICA_SLICE = 16 << 20
 Run = tuple[int, int, int]  # (local start, global start, length) along one dim
 
 
@@ -175,7 +176,19 @@ def _read_placed(dump: Dump, placed: _Placed, full: torch.Tensor) -> None:
 
 
 def _replica_diff(dump: Dump, placed: _Placed, replica: Shard, full: torch.Tensor) -> float:
-    """How far a replica is from the values placed for the shard it copies."""
+    """How far a replica is from the values placed for the shard it copies. A replica of the whole
+    tensor (a parameter gradient on every CP rank) is read REPLICA_SLICE bytes at a time, so that
+    checking it does not hold a third copy of the largest tensor."""
+    if not placed.runs and full.ndim and full.numel():
+        location = dump.locate(replica.rank, replica.record)
+        rows = max(1, REPLICA_SLICE // (full[0].numel() * full.element_size()))
+        values = torch.empty((min(rows, len(full)), *full.shape[1:]), dtype=full.dtype)
+        worst = 0.0
+        for start in range(0, len(full), rows):
+            piece = values[:min(rows, len(full) - start)]
+            read_into(location, piece, start * full[0].numel() * full.element_size())
+            worst = max(worst, max_abs_diff(full[start:start + len(piece)], piece))
+        return worst
     values = dump.load(replica.rank, replica.record)
     return max((max_abs_diff(_narrow(full, where), _narrow(values, local))
                 for local, where in _blocks(placed, values.shape)), default=0.0)

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors.torch import save_file
 
 from megalign.alignment.dump.format import (FORMAT, MANIFEST, VERSION, Kind, RankCoords, TensorRecord, dtype_name,
                                             rank_dirname, write_json_atomic)
 from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.stats import TensorStats
+from megalign.alignment.dump.tensorfile import write_file
 
 
 class RankWriter:
@@ -59,8 +59,7 @@ class RankWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        save_file(self._pending, str(self.dir / self._current_file()))
-        self.bytes_written += self._pending_bytes
+        self.bytes_written += write_file(self.dir / self._current_file(), self._pending)
         self._pending, self._pending_bytes = {}, 0
         self._files += 1
 

@@ -1,0 +1,92 @@
+"""The fast paths of issue 14 keep their meaning: the one-pass metrics against plain float64 torch,
+the buffer budget, and dump files that the safetensors package still reads."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megalign.alignment.compare.buffers import SMALLEST, BufferPool
+from megalign.alignment.compare.metrics import tensor_metrics
+from megalign.alignment.dump.tensorfile import TensorFiles, read_into, write_file
+
+
+def reference(x: torch.Tensor, y: torch.Tensor) -> dict:
+    a, b = x.double().reshape(-1), y.double().reshape(-1)
+    d = (a - b).abs()
+    return {"rel_diff": float(((a - b) ** 2).sum() / (a * a + b * b).sum()), "max_abs_diff": float(d.max()),
+            "index": int(d.argmax()), "mean_abs_diff": float(d.mean())}
+
+
+@pytest.mark.parametrize("dtype_a, dtype_b", [(torch.float32, torch.float32), (torch.float64, torch.float32),
+                                              (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+                                              (torch.int64, torch.int64)])
+def test_one_pass_metrics_equal_float64_torch(dtype_a, dtype_b):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 100_003, generator=generator) * 50  # odd size: a last partial block and chunk
+    y = x + torch.randn(x.shape, generator=generator)
+    x, y = x.to(dtype_a), y.to(dtype_b)
+    got, want = tensor_metrics(x, y), reference(x, y)
+    assert math.isclose(got.rel_diff, want["rel_diff"], rel_tol=1e-9)
+    assert got.max_abs_diff == want["max_abs_diff"]  # exact
+    assert got.max_abs_index == [want["index"] // x.shape[1], want["index"] % x.shape[1]]
+    assert math.isclose(got.mean_abs_diff, want["mean_abs_diff"], rel_tol=1e-9)
+
+
+def test_the_first_position_of_the_maximum_is_reported():
+    x = torch.zeros(50_000)
+    y = x.clone()
+    y[[7, 20_000, 49_999]] = 2.0  # three ties, in different blocks
+    assert tensor_metrics(x, y).max_abs_index == [7]
+    assert tensor_metrics(x, x).max_abs_index == [0] and tensor_metrics(x, x).rel_diff == 0.0
+
+
+def test_nonfinite_values_are_counted_and_left_out_of_the_sums():
+    x = torch.arange(10.0)
+    y = x.clone()
+    x[3], y[3] = math.nan, math.nan  # same place: not a mismatch
+    y[5] = math.inf  # one side only
+    m = tensor_metrics(x, y)
+    assert (m.nan_a, m.nan_b, m.inf_a, m.inf_b, m.nonfinite_diff) == (1, 1, 0, 1, 1)
+    assert m.rel_diff == 0.0 and m.max_abs_diff == 0.0 and m.nonfinite_mismatch
+    assert m.mean_abs_diff == 0.0
+
+
+def test_a_lease_waits_until_its_buffers_fit_the_budget():
+    pool = BufferPool(budget=3 * SMALLEST)
+    order = []
+    with pool.lease(2 * SMALLEST, None) as (big, none):
+        assert len(big) >= 2 * SMALLEST and none is None
+
+        def second():
+            with pool.lease(2 * SMALLEST, SMALLEST) as buffers:
+                order.append("second")
+                assert sum(len(b) for b in buffers) <= pool.budget
+
+        waiting = threading.Thread(target=second)
+        waiting.start()
+        time.sleep(0.2)
+        order.append("first done")
+    waiting.join(timeout=10)
+    assert order == ["first done", "second"]
+    with pool.lease(10 * SMALLEST) as (larger,):  # larger than the budget: alone, never a deadlock
+        assert len(larger) == 10 * SMALLEST
+
+
+def test_dump_files_are_safetensors_files(tmp_path):
+    tensors = {"0": torch.randn(3, 5), "1": torch.arange(7), "2": torch.randn(4).bfloat16(), "3": torch.tensor(1.5),
+               "4": torch.empty(0, 3), "5": torch.tensor([True, False])}
+    path = tmp_path / "t.safetensors"
+    write_file(path, tensors)
+    assert all(torch.equal(value, tensors[key]) for key, value in load_file(str(path)).items())
+    files = TensorFiles()
+    for key, tensor in tensors.items():
+        location = files.locate(path, key)
+        out = torch.empty(location.shape, dtype=location.dtype)
+        read_into(location, out)
+        assert torch.equal(out, tensor)
