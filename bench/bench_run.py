@@ -4,7 +4,9 @@
    each variant in a fresh process, world size 1 on gloo, the llama-0.1b config.
 2. Backward time with a full dump, with --stats-only and with no dump (--filter matching nothing:
    hooks installed, no tensor copied), through the real CLI; time is the workers' own elapsed_s
-   from dump.json, so interpreter start-up is left out; the fastest of two runs of each.
+   from dump.json, so interpreter start-up is left out; the fastest of three runs of each.
+3. The full dump's added time against one plain sequential write of as many bytes to the same disk
+   (the fastest of three): near 1x, the dump runs at disk speed.
 
 usage: python bench/bench_run.py [--config configs/llama-0.1b.yaml]
 """
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +95,7 @@ def measure_memory(config: Path, device: str) -> dict:
     return results
 
 
-def measure_backward(config: Path, device: str, repeats: int = 2) -> dict:
+def measure_backward(config: Path, device: str, repeats: int = 3) -> dict:
     """Each variant `repeats` times, interleaved; the fastest of each counts (least disturbed)."""
     variants = {"full dump": [], "--stats-only": ["--stats-only"], "no dump": ["--filter", "(?!)"]}
     best: dict[str, tuple[float, int]] = {}
@@ -108,6 +111,21 @@ def measure_backward(config: Path, device: str, repeats: int = 2) -> dict:
                 seconds = json.loads((out / "dump.json").read_text())["elapsed_s"]
                 size = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
                 best[label] = min(best.get(label, (seconds, size)), (seconds, size))
+    return best
+
+
+def write_seconds(folder: Path, size: int, repeats: int = 3) -> float:
+    """The fastest of `repeats` plain sequential writes of `size` bytes into a new file in `folder`:
+    what the disk takes for a dump's bytes, whatever writes them."""
+    block = bytearray(16 << 20)
+    best = float("inf")
+    for _ in range(repeats):
+        with tempfile.NamedTemporaryFile(dir=folder) as f:
+            start = time.perf_counter()
+            for _ in range(0, size, len(block)):
+                f.write(block)
+            f.flush()
+            best = min(best, time.perf_counter() - start)
     return best
 
 
@@ -135,6 +153,9 @@ def main() -> None:
         seconds, size = backward[label]
         print(f"backward time, {label} / no dump: {seconds / base:.2f}x"
               + (f"   ({size / 2**20:.0f} MiB of tensors)" if size else ""))
+    seconds, size = backward["full dump"]
+    print(f"full dump's added time / one sequential write of its {size / 2**20:.0f} MiB on the same disk: "
+          f"{(seconds - base) / write_seconds(Path(tempfile.gettempdir()), size):.2f}x")
 
 
 if __name__ == "__main__":

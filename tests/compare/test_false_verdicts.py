@@ -12,6 +12,8 @@ from compare_fixtures import CP1, CP2, TP2, copy_dump
 from conftest import invoke
 from safetensors.torch import load_file, save_file
 
+from megalign.alignment.dump.tensorfile import content_hash
+
 
 def plain(tmp_path, name: str, **tensors) -> str:
     path = tmp_path / f"{name}.safetensors"
@@ -68,6 +70,12 @@ def test_a_nan_in_one_cp_replica_of_a_parameter_gradient_fails(dump, tmp_path):
     tensors = load_file(str(file))
     tensors[record["key"]].view(-1)[7] = math.nan
     save_file(tensors, str(file))
+    # The file alone changed: its recorded hash still equals rank 0's, so the replica is not read.
+    result, rows = rows_of(tmp_path, dump(*CP1), bad)
+    assert result.exit_code == 0, result.output
+    # As a run whose replicas really differed writes it: the hashes differ, the replica is read.
+    record["hash"] = content_hash(tensors[record["key"]])
+    (bad / "rank-00001" / "manifest.json").write_text(json.dumps(manifest))
     result, rows = rows_of(tmp_path, dump(*CP1), bad)
     assert result.exit_code == 1, result.output
     row = next(r for r in rows if (r["kind"], r["name"]) == ("param_grad", name))

@@ -5,8 +5,9 @@ on consecutive global ones: along tp_dim, TP shards in tp_rank order (fused tens
 part by part); along the sequence dim, SP pieces in tp_rank order within their CP rank's piece, then
 the CP zigzag undone (document by document in a packed row, at the dump's bounds); along dp_dim, DP
 ranks in order. On an axis a tensor is not split on (no tp_dim, no sequence dim under CP, no
-dp_dim), the ranks hold replicas: the first is placed, the others are checked against it. Under PP
-a name lives on one stage, whose ranks are exactly the shards given.
+dp_dim), the ranks hold replicas: the first is placed, the others are checked against it, by the
+content hash the run recorded for each (read only when the hashes differ, or a dump has none).
+Under PP a name lives on one stage, whose ranks are exactly the shards given.
 
 The full tensor is allocated once (in the caller's buffer when given: verdict.py reuses them) and
 every shard is read from its file straight into its place, one positioned read per block, where the
@@ -70,7 +71,8 @@ def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] =
     full = _allocate(value.shape, dtype, buffer)
     for p in placed:
         _read_placed(dump, p, full)
-    diffs = [_replica_diff(dump, p, replica, full) for p in placed for replica in p.replicas]
+    diffs = [0.0 if _same_content(p.shard, replica) else _replica_diff(dump, p, replica, full)
+             for p in placed for replica in p.replicas]
     value.tensor = full
     value.replica_diff = max(diffs) if diffs else None
     return value
@@ -173,6 +175,12 @@ def _read_placed(dump: Dump, placed: _Placed, full: torch.Tensor) -> None:
     read_into(location, whole)
     for local, where in _blocks(placed, location.shape):
         _narrow(full, where).copy_(_narrow(whole, local))
+
+
+def _same_content(shard: Shard, replica: Shard) -> bool:
+    """The run recorded the same bytes for both (dump.format's hash): the replica need not be read."""
+    a, b = shard.record, replica.record
+    return a.hash is not None and a.hash == b.hash and a.dtype == b.dtype
 
 
 def _replica_diff(dump: Dump, placed: _Placed, replica: Shard, full: torch.Tensor) -> float:

@@ -69,12 +69,14 @@ class TensorRecord:
     file: Optional[str] = None  # None for stats-only records
     key: Optional[str] = None
     stats: Optional[TensorStats] = None
+    # xxh3_128 of the tensor's bytes, hex: replicas with equal hashes are read once (compare/reassemble.py)
+    hash: Optional[str] = None
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "order": self.order, "shape": self.shape,
                 "dtype": self.dtype, "sharding": self.sharding.to_dict(), "module": self.module,
                 "layer": self.layer, "file": self.file, "key": self.key,
-                "stats": self.stats.to_dict() if self.stats else None}
+                "stats": self.stats.to_dict() if self.stats else None, "hash": self.hash}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

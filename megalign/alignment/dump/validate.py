@@ -154,7 +154,16 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
                         sharding=_sharding(record.get("sharding"), len(shape), where),
                         module=record.get("module") if isinstance(record.get("module"), str) else None,
                         layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
-                        file=file, key=key, stats=None if stats is None else _stats(stats, where))
+                        file=file, key=key, stats=None if stats is None else _stats(stats, where),
+                        hash=_hash(record.get("hash"), where))
+
+
+def _hash(raw: Any, where: str) -> Optional[str]:
+    if raw is None:
+        return None
+    if not (isinstance(raw, str) and len(raw) == 32 and all(c in "0123456789abcdef" for c in raw)):
+        raise Malformed(f"{where}: hash must be 32 lowercase hex digits")
+    return raw
 
 
 def check_tensor_file(name: str, rank_dir: Path, where: str) -> Path:

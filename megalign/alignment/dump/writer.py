@@ -12,7 +12,7 @@ from megalign.alignment.dump.format import (FORMAT, MANIFEST, VERSION, Kind, Ran
                                             rank_dirname, write_json_atomic)
 from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.stats import TensorStats
-from megalign.alignment.dump.tensorfile import write_file
+from megalign.alignment.dump.tensorfile import content_hash, write_file
 
 
 class RankWriter:
@@ -36,7 +36,9 @@ class RankWriter:
         return kind == "input" or self.filter is None or bool(self.filter.search(name))
 
     def add(self, kind: Kind, name: str, tensor: torch.Tensor, sharding: Sharding,
-            module: Optional[str] = None, layer: Optional[int] = None) -> None:
+            module: Optional[str] = None, layer: Optional[int] = None, stable: bool = False) -> None:
+        """Record a tensor. `stable`: it will not change before close() (parameter gradients after the
+        step), so a CPU tensor is written from where it is; any other is copied now."""
         if not self.wants(kind, name):
             return
         tensor = tensor.detach()
@@ -47,7 +49,10 @@ class RankWriter:
         else:
             record.key = str(record.order)
             record.file = self._current_file()
-            self._pending[record.key] = tensor.to("cpu", copy=True).contiguous()
+            held = tensor.contiguous() if stable and tensor.device.type == "cpu" else \
+                tensor.to("cpu", copy=True).contiguous()
+            self._pending[record.key] = held
+            record.hash = content_hash(held)
             self._pending_bytes += tensor.numel() * tensor.element_size()
             if self._pending_bytes >= self.flush_bytes:
                 self._flush()

@@ -180,8 +180,9 @@ def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter
     for megatron, (rule, parts) in names.params().items():
         value = names.join(rule, [grads[p] for p in parts], dim=0)
         writer.add("param_grad", megatron, value, Sharding(), module=megatron.rsplit(".", 1)[0],
-                   layer=layer_of(megatron))
+                   layer=layer_of(megatron), stable=True)
         used.update(parts)
     for name in (n for n in grads if n not in used):
-        writer.add("param_grad", name, grads[name], Sharding(), module=name.rsplit(".", 1)[0], layer=layer_of(name))
+        writer.add("param_grad", name, grads[name], Sharding(), module=name.rsplit(".", 1)[0], layer=layer_of(name),
+                   stable=True)
     return coverage

@@ -76,5 +76,6 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, writer: 
             continue
         present += 1
         grad, sharding = param_grad_layout(spec.model, name, grad, param_sharding(spec.model, name, param))
-        writer.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], layer=layer_index(name))
+        writer.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], layer=layer_index(name),
+                   stable=True)
     return check_coverage(missing, len(missing) + present, spec.grad_source)
