@@ -1,5 +1,6 @@
 """The fast paths of issue 14 keep their meaning: the one-pass metrics against plain float64 torch,
-the buffer budget, and dump files that the safetensors package still reads."""
+the buffer budget, pairs streamed a window of rows at a time against whole ones, and dump files that
+the safetensors package still reads."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import time
 
 import pytest
 import torch
+from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2
 from safetensors.torch import load_file
 
+from megalign.alignment.compare import verdict
 from megalign.alignment.compare.buffers import SMALLEST, BufferPool
 from megalign.alignment.compare.metrics import tensor_metrics
+from megalign.alignment.compare.sources import open_source
+from megalign.alignment.compare.thresholds import Thresholds
+from megalign.alignment.compare.verdict import compare_sources
 from megalign.alignment.dump.tensorfile import TensorFiles, read_into, write_file
 
 
@@ -90,3 +96,28 @@ def test_dump_files_are_safetensors_files(tmp_path):
         out = torch.empty(location.shape, dtype=location.dtype)
         read_into(location, out)
         assert torch.equal(out, tensor)
+
+
+def compare(a, b):
+    return compare_sources(open_source(a), open_source(b), Thresholds())
+
+
+@pytest.mark.parametrize("layout", [CP2, TP2])
+def test_pairs_streamed_a_few_rows_at_a_time_get_the_metrics_of_the_whole(dump, monkeypatch, layout):
+    whole = compare(dump(*CP1), dump(*layout))
+    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)  # every tensor of a megalign dump is streamed
+    monkeypatch.setattr(verdict, "WINDOW_BYTES", 3000)  # a few rows: windows cut CP halves and TP shards
+    streamed = compare(dump(*CP1), dump(*layout))
+    assert [r.status for r in streamed.rows] == [r.status for r in whole.rows]
+    for s, w in zip(streamed.rows, whole.rows):
+        if w.metrics is not None and w.logprobs is None:
+            assert s.metrics.max_abs_diff == w.metrics.max_abs_diff and s.metrics.max_abs_index == w.metrics.max_abs_index
+            assert math.isclose(s.metrics.rel_diff, w.metrics.rel_diff, rel_tol=1e-9, abs_tol=1e-30), s.name
+
+
+def test_a_divergence_is_caught_when_streamed(dump, monkeypatch):
+    """Twin: CP=2 with the loss divided by the local token count fails streamed as it does whole."""
+    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)
+    monkeypatch.setattr(verdict, "WINDOW_BYTES", 3000)
+    report = compare(dump(*CP1), dump(*CP2_LOCAL))
+    assert not report.summary.ok and report.summary.first_failure_by_kind.get("param_grad")

@@ -47,7 +47,8 @@ class Entry:
     batch_dim: Optional[int] = None
     seq_dim: Optional[int] = None
     apart: Optional[str] = None  # why this tensor cannot be lined up with the other side's (lineup.py)
-    # Set where `load(buffer=...)` places the tensor in a caller's buffer of this many bytes (reassemble.py).
+    # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
+    # in a caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
 
 

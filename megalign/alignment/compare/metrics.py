@@ -121,15 +121,25 @@ def rel_diff_of_sums(sum_sq_diff: float, sum_sq: float) -> float:
 
 def tensor_metrics(x: torch.Tensor, y: torch.Tensor) -> TensorMetrics:
     """x and y have the same shape; any dtypes (compared in float64, fused.py)."""
+    return metrics_of(pair_sums(x, y), list(x.shape))
+
+
+def pair_sums(x: torch.Tensor, y: torch.Tensor) -> fused.Sums:
+    """The sums of two same-shaped tensors, positions counted in x's flat order."""
     total = fused.Sums()
     for start, a, b in _float_chunks(x.reshape(-1), y.reshape(-1)):
         total.add(fused.sums(a, b), start)
+    return total
+
+
+def metrics_of(total: fused.Sums, shape: list[int]) -> TensorMetrics:
+    """The metrics from the sums over a whole tensor of `shape` (also merged from windows of it)."""
     xx, yy, dd = total.xx, total.yy, total.dd
     xy = (xx + yy - dd) / 2
     cosine = xy / math.sqrt(xx * yy) if xx > 0 and yy > 0 else float(xx == yy)
     found = total.max_index >= 0
     return TensorMetrics(rel_diff=rel_diff_of_sums(dd, xx + yy), max_abs_diff=max(total.max_abs, 0.0),
-                         max_abs_index=unravel(total.max_index, list(x.shape)) if found else None,
+                         max_abs_index=unravel(total.max_index, shape) if found else None,
                          mean_abs_diff=total.abs_diff / total.finite_pairs if total.finite_pairs else 0.0,
                          cosine=cosine, nan_a=total.nan_a, nan_b=total.nan_b, inf_a=total.inf_a, inf_b=total.inf_b,
                          nonfinite_diff=total.nonfinite_diff)

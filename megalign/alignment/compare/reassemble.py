@@ -32,7 +32,6 @@ from megalign.alignment.dump.sharding import cp_positions
 from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.dump.tensorfile import read_into
 
-REPLICA_SLICE = 16 << 20
 Run = tuple[int, int, int]  # (local start, global start, length) along one dim
 
 
@@ -53,9 +52,11 @@ class _Missing(ValueError):
     """Shards are missing, or differ in shape: the tensor cannot be put back together."""
 
 
-def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] = None) -> Value:
-    """The tensor (or, for --stats-only records, its statistics); with `buffer` (bytes, at least
-    the tensor's size), the tensor lives in it."""
+def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] = None,
+               rows: Optional[tuple[int, int]] = None) -> Value:
+    """The tensor (or, for --stats-only records, its statistics). `buffer` (bytes, at least the
+    tensor's size): the tensor lives in it. `rows` (start, stop): only those positions of dim 0 are
+    read, into a tensor of that many rows (verdict.py streams big tensors so); `shape` stays the whole's."""
     layout = dump.layout()
     first = shards[0].record
     value = Value(shape=full_shape(shards, layout), dtype=first.dtype)
@@ -68,10 +69,11 @@ def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] =
         value.stats = TensorStats.combine(p.shard.record.stats for p in placed)
         return value
     dtype = dump.locate(shards[0].rank, first).dtype
-    full = _allocate(value.shape, dtype, buffer)
+    shape = value.shape if rows is None else [rows[1] - rows[0], *value.shape[1:]]
+    full = _allocate(shape, dtype, buffer)
     for p in placed:
-        _read_placed(dump, p, full)
-    diffs = [0.0 if _same_content(p.shard, replica) else _replica_diff(dump, p, replica, full)
+        _read_placed(dump, p.shard, p, full, rows)
+    diffs = [0.0 if _same_content(p.shard, replica) else _replica_diff(dump, p, replica, full, rows)
              for p in placed for replica in p.replicas]
     value.tensor = full
     value.replica_diff = max(diffs) if diffs else None
@@ -145,10 +147,20 @@ def _allocate(shape: list[int], dtype: torch.dtype, buffer: Optional[torch.Tenso
     return buffer[:size].view(dtype).view(shape)
 
 
-def _blocks(placed: _Placed, shape: list[int]):
-    """(local narrowings, global narrowings) of every block: one run per split dim."""
-    dims = sorted(placed.runs)
-    for combo in itertools.product(*(placed.runs[d] for d in dims)):
+def _blocks(placed: _Placed, rows: Optional[tuple[int, int]]):
+    """(local narrowings, narrowings of the output) of every block of a shard: one run per split dim;
+    with `rows`, dim 0 clipped to them (the output then starts at rows[0])."""
+    runs = dict(placed.runs)
+    if rows is not None:
+        start, stop = rows
+        clipped = []
+        for local, where, length in runs.get(0, [(0, 0, placed.shard.record.shape[0])]):
+            low, high = max(where, start), min(where + length, stop)
+            if low < high:
+                clipped.append((local + low - where, low - start, high - low))
+        runs[0] = clipped
+    dims = sorted(runs)
+    for combo in itertools.product(*(runs[d] for d in dims)):
         yield [(d, r[0], r[2]) for d, r in zip(dims, combo)], [(d, r[1], r[2]) for d, r in zip(dims, combo)]
 
 
@@ -158,23 +170,28 @@ def _narrow(tensor: torch.Tensor, narrowings) -> torch.Tensor:
     return tensor
 
 
-def _read_placed(dump: Dump, placed: _Placed, full: torch.Tensor) -> None:
-    """Read a shard into its place: block by block straight from the file where every block is
-    contiguous in the shard and in `full`, else whole into a temporary and copied."""
-    location = dump.locate(placed.shard.rank, placed.shard.record)
-    if not placed.runs:  # the whole tensor
-        read_into(location, full)
+def _read_placed(dump: Dump, shard: Shard, placed: _Placed, out: torch.Tensor, rows) -> None:
+    """Read `shard` into out at `placed`'s blocks. A block contiguous in the shard and in `out` is one
+    positioned read straight into place; any other is read with the whole rows of the shard it
+    spans (contiguous in the file) into a temporary, and copied."""
+    location = dump.locate(shard.rank, shard.record)
+    blocks = list(_blocks(placed, rows))
+    if blocks == [([], [])]:  # the whole tensor
+        read_into(location, out)
         return
     layout = torch.empty(location.shape, dtype=location.dtype, device="meta")  # strides and offsets only
-    blocks = [(_narrow(layout, local), _narrow(full, where)) for local, where in _blocks(placed, location.shape)]
-    if all(src.is_contiguous() and dst.is_contiguous() for src, dst in blocks):
-        for src, dst in blocks:
+    spans: dict[tuple[int, int], torch.Tensor] = {}
+    for local, where in blocks:
+        src, dst = _narrow(layout, local), _narrow(out, where)
+        if src.is_contiguous() and dst.is_contiguous():
             read_into(location, dst, src.storage_offset() * src.element_size())
-        return
-    whole = torch.empty(location.shape, dtype=location.dtype)
-    read_into(location, whole)
-    for local, where in _blocks(placed, location.shape):
-        _narrow(full, where).copy_(_narrow(whole, local))
+            continue
+        first, count = next(((start, n) for dim, start, n in local if dim == 0), (0, location.shape[0]))
+        span = spans.get((first, count))
+        if span is None:
+            span = spans[(first, count)] = torch.empty((count, *location.shape[1:]), dtype=location.dtype)
+            read_into(location, span, layout[first].storage_offset() * layout.element_size() if count else 0)
+        dst.copy_(_narrow(span, [(d, start - first if d == 0 else start, n) for d, start, n in local]))
 
 
 def _same_content(shard: Shard, replica: Shard) -> bool:
@@ -183,23 +200,13 @@ def _same_content(shard: Shard, replica: Shard) -> bool:
     return a.hash is not None and a.hash == b.hash and a.dtype == b.dtype
 
 
-def _replica_diff(dump: Dump, placed: _Placed, replica: Shard, full: torch.Tensor) -> float:
-    """How far a replica is from the values placed for the shard it copies. A replica of the whole
-    tensor (a parameter gradient on every CP rank) is read REPLICA_SLICE bytes at a time, so that
-    checking it does not hold a third copy of the largest tensor."""
-    if not placed.runs and full.ndim and full.numel():
-        location = dump.locate(replica.rank, replica.record)
-        rows = max(1, REPLICA_SLICE // (full[0].numel() * full.element_size()))
-        values = torch.empty((min(rows, len(full)), *full.shape[1:]), dtype=full.dtype)
-        worst = 0.0
-        for start in range(0, len(full), rows):
-            piece = values[:min(rows, len(full) - start)]
-            read_into(location, piece, start * full[0].numel() * full.element_size())
-            worst = max(worst, max_abs_diff(full[start:start + len(piece)], piece))
-        return worst
-    values = dump.load(replica.rank, replica.record)
-    return max((max_abs_diff(_narrow(full, where), _narrow(values, local))
-                for local, where in _blocks(placed, values.shape)), default=0.0)
+def _replica_diff(dump: Dump, placed: _Placed, replica: Shard, out: torch.Tensor, rows) -> float:
+    """How far a replica is from the values placed for the shard it copies: read into the same place
+    of a scratch tensor and compared block by block."""
+    scratch = torch.empty_like(out)
+    _read_placed(dump, replica, placed, scratch, rows)
+    return max((max_abs_diff(_narrow(out, where), _narrow(scratch, where)) for _, where in _blocks(placed, rows)),
+               default=0.0)
 
 
 def first_replica(replicas: list, diffs: list, differ=max_abs_diff):

@@ -20,9 +20,11 @@ import torch
 from megalign.alignment.compare import absent
 from megalign.alignment.compare.buffers import BufferPool
 from megalign.alignment.compare.entries import Entry, Source, Value
+from megalign.alignment.compare.fused import Sums
 from megalign.alignment.compare.lineup import line_up
 from megalign.alignment.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetrics, TensorMetrics,
-                                                logprob_metrics, routing_metrics, stats_metrics, tensor_metrics)
+                                                logprob_metrics, metrics_of, pair_sums, routing_metrics, stats_metrics,
+                                                tensor_metrics)
 from megalign.alignment.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.alignment.compare.thresholds import Thresholds, precision_of
 from megalign.alignment.dump.stats import TensorStats
@@ -35,6 +37,8 @@ from megalign.alignment.errors import UserError, compile_pattern
 PASS, FAIL, SHAPE_MISMATCH = "pass", "fail", "shape_mismatch"
 ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_reassemblable", "skipped", "apart"
 FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
+# Pairs with a side over STREAM_BYTES are compared WINDOW_BYTES of rows at a time (verdict._streamed).
+STREAM_BYTES, WINDOW_BYTES = 64 << 20, 16 << 20
 
 
 @dataclass
@@ -179,8 +183,8 @@ class _Comparison:
         self.loss_mask = _input(self.a, self.b, "loss_mask")
         self.in_reference = {(e.kind, e.name): e for e in self.reference.entries} if self.reference else {}
         self.kinds_a, self.kinds_b = {e.kind for e in self.a.entries}, {e.kind for e in self.b.entries}
-        # Enough for the largest pair: the pairs that fit beside each other are compared together.
-        self.buffers = BufferPool(max(map(_pair_bytes, pairs), default=0))
+        # Enough for the largest pair compared whole: the pairs that fit beside each other are compared together.
+        self.buffers = BufferPool(max(map(self._lease_bytes, pairs), default=0))
 
     def row(self, index: int, pair: _Pair) -> Row:
         layer = pair.a.layer if pair.a else pair.b.layer
@@ -194,10 +198,54 @@ class _Comparison:
             row.status, row.shape_a, row.shape_b = APART, pair.a.shape, pair.b.shape
             row.notes.append(apart)
             return row
+        window = self._window(pair)
+        if window:
+            return self._streamed(row, pair, window)
         with self.buffers.lease(pair.a.nbytes, pair.b.nbytes) as (buffer_a, buffer_b):
             return self._compare(row, pair, _load(pair.a, buffer_a), _load(pair.b, buffer_b))
 
-    def _compare(self, row: Row, pair: _Pair, x: Value, y: Value) -> Row:
+    def _lease_bytes(self, pair: _Pair) -> int:
+        """What a pair leases: both sides whole, or a window of each, where they are read into buffers."""
+        if pair.a is None or pair.b is None or pair.a.apart or pair.b.apart:
+            return 0
+        window = self._window(pair)
+        if window:
+            return (pair.a.nbytes + pair.b.nbytes) * window // pair.a.shape[0]
+        return (pair.a.nbytes or 0) + (pair.b.nbytes or 0)
+
+    def _window(self, pair: _Pair) -> int:
+        """Rows of dim 0 a window holds when the pair is compared a window at a time, else 0: big
+        tensors whose rows are only compared element by element (no logprobs, routing or reference)."""
+        a, b = pair.a, pair.b
+        if a is None or b is None or a.apart or b.apart or not (a.nbytes and b.nbytes) or \
+                max(a.nbytes, b.nbytes) < STREAM_BYTES or a.shape != b.shape or not a.shape or \
+                pair.kind in ("logprobs", "routing") or (pair.kind, pair.name) in self.in_reference:
+            return 0
+        return max(1, WINDOW_BYTES * a.shape[0] // max(a.nbytes, b.nbytes))
+
+    def _streamed(self, row: Row, pair: _Pair, window: int) -> Row:
+        """Compare a big pair `window` rows at a time, in two buffers of a window each: the sums of the
+        windows add up to the whole's (metrics.metrics_of), whatever the tensor's size."""
+        shape, total = pair.a.shape, Sums()
+        row_numel = math.prod(shape[1:])
+        sizes = [entry.nbytes * window // shape[0] for entry in (pair.a, pair.b)]
+        values = [Value(shape=shape, dtype=entry.dtype) for entry in (pair.a, pair.b)]
+        with self.buffers.lease(*sizes) as buffers:
+            for start in range(0, shape[0], window):
+                rows = (start, min(start + window, shape[0]))
+                x, y = (entry.load(buffer=buffer, rows=rows) for entry, buffer in zip((pair.a, pair.b), buffers))
+                for whole, part in zip(values, (x, y)):
+                    whole.problem = part.problem
+                    if part.replica_diff is not None:
+                        whole.replica_diff = max(whole.replica_diff or 0.0, part.replica_diff)
+                if x.problem or y.problem:
+                    break
+                total.add(pair_sums(x.tensor, y.tensor), start * row_numel)
+        return self._compare(row, pair, *values, metrics=metrics_of(total, shape))
+
+    def _compare(self, row: Row, pair: _Pair, x: Value, y: Value,
+                 metrics: Optional[TensorMetrics] = None) -> Row:
+        """The row's verdict; `metrics`: already computed (a streamed pair, whose Values hold no tensor)."""
         row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype
         row.replica_diff_a, row.replica_diff_b = x.replica_diff, y.replica_diff
         for side, value in (("A", x), ("B", y)):
@@ -220,7 +268,7 @@ class _Comparison:
             row.notes.append(f"dtype {x.dtype} vs {y.dtype}, compared in float64")
         precision_a, precision_b = precision_of(self.a.precision, x.dtype), precision_of(self.b.precision, y.dtype)
         row.threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision_of(precision_a, precision_b))
-        row.metrics = _metrics(x, y)
+        row.metrics = metrics or _metrics(x, y)
         if pair.kind == "logprobs" and x.tensor is not None and y.tensor is not None:
             row.logprobs = logprob_metrics(x.tensor, y.tensor, self.tokens, self.loss_mask)
         m = row.metrics
@@ -241,11 +289,6 @@ class _Comparison:
         return row
 
 
-def _pair_bytes(pair: _Pair) -> int:
-    """What a pair leases to be compared: both sides' tensors, where they can be read into a buffer."""
-    if pair.a is None or pair.b is None or pair.a.apart or pair.b.apart:
-        return 0
-    return (pair.a.nbytes or 0) + (pair.b.nbytes or 0)
 
 
 def _load(entry: Entry, buffer: Optional[torch.Tensor]) -> Value:
