@@ -19,7 +19,10 @@ from megalign.alignment.compare.metrics import tensor_metrics
 from megalign.alignment.compare.sources import open_source
 from megalign.alignment.compare.thresholds import Thresholds
 from megalign.alignment.compare.verdict import compare_sources
-from megalign.alignment.dump.tensorfile import TensorFiles, read_into, write_file
+from megalign.alignment.dump.format import RankCoords
+from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
+from megalign.alignment.dump.writer import RankWriter
 
 
 def reference(x: torch.Tensor, y: torch.Tensor) -> dict:
@@ -121,3 +124,27 @@ def test_a_divergence_is_caught_when_streamed(dump, monkeypatch):
     monkeypatch.setattr(verdict, "WINDOW_BYTES", 3000)
     report = compare(dump(*CP1), dump(*CP2_LOCAL))
     assert not report.summary.ok and report.summary.first_failure_by_kind.get("param_grad")
+
+
+def test_the_writer_thread_dumps_values_as_they_were_added_and_raises_its_errors(tmp_path):
+    writer = RankWriter(tmp_path / "ok", RankCoords(rank=0), flush_bytes=100)  # a file every two tensors
+    tensors = [torch.randn(7, 3) for _ in range(5)]
+    for i, tensor in enumerate(tensors):
+        writer.add("activation", f"t{i}", tensor, Sharding())
+    expected = [t.clone() for t in tensors]
+    tensors[0].zero_()  # changed after add: the dump keeps the value it had
+    writer.close()
+    files = TensorFiles()
+    for record, want in zip(writer.records, expected):
+        location = files.locate(writer.dir / record.file, record.key)
+        got = torch.empty(location.shape, dtype=location.dtype)
+        read_into(location, got)
+        assert torch.equal(got, want) and record.hash == content_hash(want)
+    assert len({r.file for r in writer.records}) == 3
+
+    broken = RankWriter(tmp_path / "broken", RankCoords(rank=0))
+    broken.dir.rmdir()
+    broken.dir.write_text("not a folder")  # the file cannot be created
+    broken.add("activation", "t", torch.ones(3), Sharding())
+    with pytest.raises(RuntimeError, match="writing the dump failed"):
+        broken.close()

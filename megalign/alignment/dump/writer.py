@@ -1,8 +1,15 @@
-"""Writing one rank's tensors: safetensors files of about 256 MiB, then the rank's manifest."""
+"""Writing one rank's tensors: safetensors files of about 256 MiB, then the rank's manifest.
+
+The run waits only for each tensor's copy to host memory. A background thread hashes the copies
+and writes the files, so the run goes on while the disk works; a device tensor is copied into
+pinned host memory asynchronously, and the thread waits for that copy, not the run.
+"""
 
 from __future__ import annotations
 
+import queue
 import re
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +20,8 @@ from megalign.alignment.dump.format import (FORMAT, MANIFEST, VERSION, Kind, Ran
 from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.dump.tensorfile import content_hash, write_file
+
+_FLUSH = object()  # queued: write the pending tensors as one file
 
 
 class RankWriter:
@@ -27,10 +36,16 @@ class RankWriter:
         self.filter = re.compile(name_filter) if name_filter else None
         self.flush_bytes = flush_bytes
         self.records: list[TensorRecord] = []
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._files = 0
         self.bytes_written = 0
+        self._queued_bytes = 0  # of the file being filled, counted as tensors are queued
+        self._files = 0
+        # Owned by the thread: tensors waiting for their file, and the first error it met.
+        self._pending: dict[str, torch.Tensor] = {}
+        self._written = 0
+        self._error: Optional[BaseException] = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._write_queued, name="megalign-writer", daemon=True)
+        self._thread.start()
 
     def wants(self, kind: str, name: str) -> bool:
         return kind == "input" or self.filter is None or bool(self.filter.search(name))
@@ -41,6 +56,7 @@ class RankWriter:
         step), so a CPU tensor is written from where it is; any other is copied now."""
         if not self.wants(kind, name):
             return
+        self._raise()
         tensor = tensor.detach()
         record = TensorRecord(kind=kind, name=name, order=len(self.records), shape=list(tensor.shape),
                               dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer)
@@ -48,29 +64,56 @@ class RankWriter:
             record.stats = TensorStats.of(tensor)
         else:
             record.key = str(record.order)
-            record.file = self._current_file()
-            held = tensor.contiguous() if stable and tensor.device.type == "cpu" else \
-                tensor.to("cpu", copy=True).contiguous()
-            self._pending[record.key] = held
-            record.hash = content_hash(held)
-            self._pending_bytes += tensor.numel() * tensor.element_size()
-            if self._pending_bytes >= self.flush_bytes:
-                self._flush()
+            record.file = f"tensors-{self._files:05d}.safetensors"
+            self._queue.put((record, *_host_copy(tensor, stable)))
+            self._queued_bytes += tensor.numel() * tensor.element_size()
+            if self._queued_bytes >= self.flush_bytes:
+                self._queue.put(_FLUSH)
+                self._queued_bytes, self._files = 0, self._files + 1
         self.records.append(record)
 
-    def _current_file(self) -> str:
-        return f"tensors-{self._files:05d}.safetensors"
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
-        self.bytes_written += write_file(self.dir / self._current_file(), self._pending)
-        self._pending, self._pending_bytes = {}, 0
-        self._files += 1
-
     def close(self, extra: Optional[dict] = None) -> None:
-        self._flush()
+        """Wait for every file, then write the manifest; raises what the writing thread met."""
+        self._queue.put(_FLUSH)
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+        self.bytes_written = self._written
         write_json_atomic(self.dir / MANIFEST, {
             "format": FORMAT, "version": VERSION, "rank": self.coords.rank, "tp_rank": self.coords.tp_rank,
             "cp_rank": self.coords.cp_rank, "pp_rank": self.coords.pp_rank, "dp_rank": self.coords.dp_rank,
             "bytes": self.bytes_written, "tensors": [r.to_dict() for r in self.records], **(extra or {})})
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing the dump failed: {self._error}") from self._error
+
+    def _write_queued(self) -> None:
+        files = 0
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # after a failure, drain the queue without writing
+            try:
+                if item is _FLUSH:
+                    if self._pending:
+                        self._written += write_file(self.dir / f"tensors-{files:05d}.safetensors", self._pending)
+                        self._pending, files = {}, files + 1
+                    continue
+                record, held, copied = item
+                if copied is not None:
+                    copied.synchronize()
+                record.hash = content_hash(held)
+                self._pending[record.key] = held
+            except BaseException as e:  # noqa: B036 - handed to the run's thread, which raises it
+                self._error = e
+
+
+def _host_copy(tensor: torch.Tensor, stable: bool) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    """A contiguous host tensor holding the values, and the event that marks its copy done (device only)."""
+    if tensor.device.type == "cpu":
+        return (tensor.contiguous() if stable else tensor.clone(memory_format=torch.contiguous_format)), None
+    held = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    held.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return held, copied
