@@ -6,6 +6,8 @@
 #
 #   bash bench/gpu.sh [OUTDIR]            (OUTDIR default: $OUT, else gpu-out)
 #   QUICK=1 DEVICE=cpu bash bench/gpu.sh  (a dry run of the script itself on a CPU, tiny model only)
+#   STAGE=runs, then STAGE=bench          (two calls on one machine, each within a call's time limit:
+#                                          the bench stage reads the dumps the runs stage left)
 #
 # Needs megatron-core importable; where a folder .whl holds its wheel, it is installed from there
 # first (the lent GPU machines reach no package index).
@@ -15,7 +17,8 @@ OUTDIR=${1:-${OUT:-gpu-out}}
 DEVICE=${DEVICE:-cuda}
 DUMPS=${DUMPS:-/tmp/megalign-gpu-dumps}
 LOGS=$DUMPS/logs  # every command's log; what comes back in OUTDIR is the summary (8 files at most)
-rm -rf "$DUMPS"
+STAGE=${STAGE:-all}
+[ "$STAGE" = bench ] || rm -rf "$DUMPS"
 mkdir -p "$OUTDIR" "$LOGS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -43,6 +46,7 @@ expect() {
 
 models="tiny"
 [ -z "${QUICK:-}" ] && models="tiny qwen2-0.5b"
+[ "$STAGE" = bench ] && models=""
 for model in $models; do
   cfg=configs/$model.yaml
   d=$DUMPS/$model
@@ -68,6 +72,7 @@ done
 # The training layouts that fit one device: a packed (THD) row against the padded CPU run; the MoE
 # model against its CPU run; a bf16 MoE run replaying the fp32 run's routing.
 d=$DUMPS/layouts
+if [ "$STAGE" != bench ]; then
 expect "packed-bwd-$DEVICE" 0 $M backward --device "$DEVICE" --packed --out "$d/packed"
 expect "compare-packed-$DEVICE-vs-padded-cpu" 0 $M compare "$DUMPS/tiny/cpu-fp32" "$d/packed"
 expect "moe-bwd-$DEVICE" 0 $M backward --device "$DEVICE" -c configs/tiny-moe.yaml --out "$d/moe"
@@ -76,8 +81,9 @@ expect "compare-moe-$DEVICE-vs-cpu" 0 $M compare "$d/moe" "$d/moe-cpu"
 expect "moe-bwd-$DEVICE-bf16-replay" 0 $M backward --device "$DEVICE" -c configs/tiny-moe.yaml --dtype bf16 \
   --routing "replay:$d/moe" --out "$d/moe-bf16-replay"
 expect "compare-moe-bf16-replay-vs-fp32" 0 $M compare "$d/moe" "$d/moe-bf16-replay"
+fi
 
-if [ -z "${QUICK:-}" ]; then
+if [ -z "${QUICK:-}" ] && [ "$STAGE" != runs ]; then
   big=configs/qwen2-0.5b.yaml
   expect "bench-run-0.5b" 0 python3 bench/bench_run.py --device "$DEVICE" --config "$big"
   expect "bench-compare-0.5b-grads" 0 python3 bench/bench_compare.py \
