@@ -183,8 +183,10 @@ class _Comparison:
         self.loss_mask = _input(self.a, self.b, "loss_mask")
         self.in_reference = {(e.kind, e.name): e for e in self.reference.entries} if self.reference else {}
         self.kinds_a, self.kinds_b = {e.kind for e in self.a.entries}, {e.kind for e in self.b.entries}
-        # Enough for the largest pair compared whole: the pairs that fit beside each other are compared together.
-        self.buffers = BufferPool(max(map(self._lease_bytes, pairs), default=0))
+        # Enough for the largest pair compared whole, and at least the largest tensor's size, so that
+        # many cores compare many pairs side by side while memory stays within twice the largest tensor.
+        largest = max((e.nbytes or 0 for p in pairs for e in (p.a, p.b) if e is not None), default=0)
+        self.buffers = BufferPool(max(largest, *map(self._lease_bytes, pairs), 0))
 
     def row(self, index: int, pair: _Pair) -> Row:
         layer = pair.a.layer if pair.a else pair.b.layer
