@@ -291,8 +291,6 @@ class _Comparison:
         return row
 
 
-
-
 def _load(entry: Entry, buffer: Optional[torch.Tensor]) -> Value:
     return entry.load() if buffer is None else entry.load(buffer=buffer)
 

@@ -36,12 +36,11 @@ class RankWriter:
         self.filter = re.compile(name_filter) if name_filter else None
         self.flush_bytes = flush_bytes
         self.records: list[TensorRecord] = []
-        self.bytes_written = 0
+        self.bytes_written = 0  # of the files written so far: counted by the thread, read after close()
         self._queued_bytes = 0  # of the file being filled, counted as tensors are queued
         self._files = 0
         # Owned by the thread: tensors waiting for their file, and the first error it met.
         self._pending: dict[str, torch.Tensor] = {}
-        self._written = 0
         self._error: Optional[BaseException] = None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._write_queued, name="megalign-writer", daemon=True)
@@ -78,7 +77,6 @@ class RankWriter:
         self._queue.put(None)
         self._thread.join()
         self._raise()
-        self.bytes_written = self._written
         write_json_atomic(self.dir / MANIFEST, {
             "format": FORMAT, "version": VERSION, "rank": self.coords.rank, "tp_rank": self.coords.tp_rank,
             "cp_rank": self.coords.cp_rank, "pp_rank": self.coords.pp_rank, "dp_rank": self.coords.dp_rank,
@@ -96,7 +94,7 @@ class RankWriter:
             try:
                 if item is _FLUSH:
                     if self._pending:
-                        self._written += write_file(self.dir / f"tensors-{files:05d}.safetensors", self._pending)
+                        self.bytes_written += write_file(self.dir / f"tensors-{files:05d}.safetensors", self._pending)
                         self._pending, files = {}, files + 1
                     continue
                 record, held, copied = item
