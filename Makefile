@@ -40,6 +40,7 @@ test: install $(CHECKPOINT_WHEEL)
 bench: install $(CHECKPOINT_WHEEL)
 	$(BIN)/python bench/bench_run.py
 	$(BIN)/python bench/bench_compare.py
+	$(BIN)/python bench/bench_writer.py
 
 clean:
 	rm -rf $(VENV) dumps .cache

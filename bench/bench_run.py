@@ -4,11 +4,13 @@
    each variant in a fresh process, world size 1 on gloo, the llama-0.1b config.
 2. Backward time with a full dump, with --stats-only and with no dump (--filter matching nothing:
    hooks installed, no tensor copied), through the real CLI; time is the workers' own elapsed_s
-   from dump.json, so interpreter start-up is left out; the fastest of three runs of each.
+   from dump.json, so interpreter start-up is left out; the fastest of three runs of each (--repeats).
 3. The full dump's added time against one plain sequential write of as many bytes to the same disk
-   (the fastest of three): near 1x, the dump runs at disk speed.
+   (the fastest of three): near 1x, the dump runs at the speed of one writing thread; under 1x, faster
+   (the writer writes several files side by side where there are cores for it). And that write
+   against the run with no dump: what writing the bytes from one thread would add to the run.
 
-usage: python bench/bench_run.py [--config configs/llama-0.1b.yaml]
+usage: python bench/bench_run.py [--config configs/llama-0.1b.yaml] [--device cuda] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -133,6 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "llama-0.1b.yaml")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant; the fastest counts")
     parser.add_argument("--memory-child", type=int, choices=(0, 1), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child is not None:
@@ -147,15 +150,18 @@ def main() -> None:
     if args.device == "cpu":
         print(f"forward-only RSS added by the model run, DDP-wrapped / plain: "
               f"{memory[True]['model_part'] / memory[False]['model_part']:.2f}x")
-    backward = measure_backward(args.config, args.device)
+    backward = measure_backward(args.config, args.device, args.repeats)
     base, _ = backward["no dump"]
     for label in ("full dump", "--stats-only"):
         seconds, size = backward[label]
         print(f"backward time, {label} / no dump: {seconds / base:.2f}x"
               + (f"   ({size / 2**20:.0f} MiB of tensors)" if size else ""))
     seconds, size = backward["full dump"]
+    write = write_seconds(Path(tempfile.gettempdir()), size)
     print(f"full dump's added time / one sequential write of its {size / 2**20:.0f} MiB on the same disk: "
-          f"{(seconds - base) / write_seconds(Path(tempfile.gettempdir()), size):.2f}x")
+          f"{(seconds - base) / write:.2f}x")
+    print(f"one sequential write of those bytes / backward time with no dump: {write / base:.2f}x   "
+          f"(what writing them from one thread would add)")
 
 
 if __name__ == "__main__":

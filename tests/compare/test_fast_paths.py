@@ -21,6 +21,7 @@ from megalign.alignment.compare.thresholds import Thresholds
 from megalign.alignment.compare.verdict import compare_sources
 from megalign.alignment.dump.format import RankCoords
 from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.dump.staging import PinnedStaging
 from megalign.alignment.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
 from megalign.alignment.dump.writer import RankWriter
 
@@ -91,7 +92,8 @@ def test_dump_files_are_safetensors_files(tmp_path):
     tensors = {"0": torch.randn(3, 5), "1": torch.arange(7), "2": torch.randn(4).bfloat16(), "3": torch.tensor(1.5),
                "4": torch.empty(0, 3), "5": torch.tensor([True, False])}
     path = tmp_path / "t.safetensors"
-    write_file(path, tensors)
+    _, hashes = write_file(path, tensors)
+    assert hashes == {key: content_hash(tensor) for key, tensor in tensors.items()}
     assert all(torch.equal(value, tensors[key]) for key, value in load_file(str(path)).items())
     files = TensorFiles()
     for key, tensor in tensors.items():
@@ -99,6 +101,18 @@ def test_dump_files_are_safetensors_files(tmp_path):
         out = torch.empty(location.shape, dtype=location.dtype)
         read_into(location, out)
         assert torch.equal(out, tensor)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu.sh runs it")
+def test_device_tensors_stream_through_the_pinned_buffers(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"0": torch.randn(1000, 7, generator=generator), "1": torch.arange(5), "2": torch.empty(0, 3),
+               "3": torch.randn(333, generator=generator).bfloat16(), "4": torch.tensor(2.5)}
+    path = tmp_path / "t.safetensors"
+    staging = PinnedStaging(piece_bytes=1000)  # many pieces a tensor, the two buffers taking turns
+    _, hashes = write_file(path, {key: tensor.cuda() for key, tensor in tensors.items()}, staging.pieces)
+    assert hashes == {key: content_hash(tensor) for key, tensor in tensors.items()}
+    assert all(torch.equal(value, tensors[key]) for key, value in load_file(str(path)).items())
 
 
 def compare(a, b):

@@ -68,16 +68,18 @@ def test_hf_vs_megatron_cp2_forward_agrees(run, tmp_path, reference):
 
 @pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
 def test_hf_vs_megatron_tp3_backward_agrees(run, tmp_path, reference):
-    """The gradients of layers 27 and 28's input norms carry float32 rounding of 1e-7 and more."""
+    """The gradients of layers 27 and 28's norms carry float32 rounding of about 1e-7."""
     extra = ("--reference", run("backward", "--stack", "hf", "--dtype", "fp64")) if reference else ()
     result, rows, summary = compare(tmp_path, run("backward", "--stack", "hf"), run("backward", "--tp", "3"), *extra)
     assert result.exit_code == 0, result.output
     grads = {r["name"]: r for r in rows if r["kind"] == "param_grad"}
     assert len(grads) == 2 + 30 * 6 and all(r["status"] == "pass" for r in grads.values())
-    noisy = grads["decoder.layers.28.input_layernorm.weight"]
-    assert noisy["metrics"]["rel_diff"] > 1e-7  # the noise floor is real: the old default (1e-7) failed here
+    # The noise floor is real: transformers' float32 gradients carry rounding from 1e-7 to 4e-7 (rel diff)
+    # on the machines seen, 9.9e-8 on another CPU's kernels; megatron-core's own is 3e-10 (README).
+    noisy = max(grads.values(), key=lambda r: r["metrics"]["rel_diff"])
+    assert noisy["metrics"]["rel_diff"] > 1e-8, noisy
     if reference:
-        assert noisy["reference"]["rel_a"] > 1e-7 and noisy["reference"]["off"] is None
+        assert noisy["reference"]["rel_a"] > 1e-8 and noisy["reference"]["off"] is None
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
