@@ -69,6 +69,11 @@ for model in $models; do
   expect "$model-compare-ref-planted" 1 $M compare "$d/bwd-fp32" "$d/cpu-cp2-local" --reference "$d/bwd-fp64"
 done
 
+# The writer's device path (parameter gradients streamed through pinned buffers), where pytest is.
+if [ "$STAGE" != bench ] && python3 -c "import pytest" 2>/dev/null; then
+  expect "pytest-device-writer" 0 python3 -m pytest -q -p no:cacheprovider tests/compare/test_fast_paths.py -k device
+fi
+
 # The training layouts that fit one device: a packed (THD) row against the padded CPU run; the MoE
 # model against its CPU run; a bf16 MoE run replaying the fp32 run's routing.
 d=$DUMPS/layouts
@@ -85,7 +90,8 @@ fi
 
 if [ -z "${QUICK:-}" ] && [ "$STAGE" != runs ]; then
   big=configs/qwen2-0.5b.yaml
-  expect "bench-run-0.5b" 0 python3 bench/bench_run.py --device "$DEVICE" --config "$big"
+  expect "bench-run-0.5b" 0 python3 bench/bench_run.py --device "$DEVICE" --config "$big" --repeats 4
+  expect "bench-writer" 0 python3 bench/bench_writer.py --device "$DEVICE"
   expect "bench-compare-0.5b-grads" 0 python3 bench/bench_compare.py \
     --dumps "$DUMPS/qwen2-0.5b/bwd-fp32" "$DUMPS/qwen2-0.5b/cpu-fp32"
 fi

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import Counter
 from functools import partial
@@ -15,6 +16,20 @@ from megalign.alignment.dump.reader import Dump
 
 
 def open_megalign(path: Path) -> Source:
+    # A real dump's manifests make hundreds of thousands of small objects at once, and the cyclic
+    # collector, run again and again while they pile up, took longer than the parsing itself (both
+    # sides of the real TP=1/TP=3 pair: 0.28 s with it, 0.08 s without, measured). Cycles made
+    # meanwhile, if any, are collected once it is back on.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _open(path)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _open(path: Path) -> Source:
     dump = Dump.open(path)
     groups: dict[tuple[str, str], list[Shard]] = {}
     for rank in dump.ranks:
