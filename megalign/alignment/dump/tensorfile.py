@@ -44,7 +44,8 @@ def tensor_bytes(tensor: torch.Tensor):
     return tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
 
 
-def write_file(path: Path, tensors: dict[str, torch.Tensor], pieces: Optional[Callable] = None) -> tuple[int, dict[str, str]]:
+def write_file(path: Path, tensors: dict[str, torch.Tensor],
+               pieces: Optional[Callable] = None) -> tuple[int, dict[str, str]]:
     """Write contiguous tensors as one safetensors file, each from the byte pieces `pieces(tensor)`
     yields (default: a CPU tensor's own memory). Returns the bytes of tensor data and each key's
     content hash, taken from the bytes as they were written."""

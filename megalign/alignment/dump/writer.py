@@ -26,8 +26,8 @@ from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.dump.tensorfile import write_file
 
 # One thread writes into the page cache at about one core's copy speed; files written side by side go
-# faster (a full dump on the GPU host waited 2.4x one sequential write with one thread). A quarter of
-# the cores at most, since the run needs the rest: one thread on a machine of 7 cores or fewer.
+# faster (bench/bench_writer.py on the H200 host: 1.38x one sequential write with one thread, 0.49x
+# with four). A quarter of the cores at most, since the run needs the rest: one thread on 7 or fewer.
 WRITE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 
 
