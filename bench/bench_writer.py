@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_run import write_seconds  # bench/ is this script's own folder on sys.path
 
 from megalign.alignment.dump import writer
 from megalign.alignment.dump.format import RankCoords
@@ -25,16 +26,6 @@ from megalign.alignment.dump.sharding import Sharding
 
 SIZES = [151936 * 896] + [896 * 4864] * 72 + [896 * 896] * 48 + [896 * 128] * 96 + [896] * 120
 RUNS = 3
-
-
-def sequential_write(size: int, folder: Path) -> float:
-    block = bytearray(16 << 20)
-    with tempfile.NamedTemporaryFile(dir=folder) as f:
-        start = time.perf_counter()
-        for _ in range(0, size, len(block)):
-            f.write(block)
-        f.flush()
-        return time.perf_counter() - start
 
 
 def dump(tensors: list[torch.Tensor], threads: int, stable: bool, folder: Path) -> float:
@@ -59,7 +50,7 @@ def main() -> None:
     folder = Path(tempfile.gettempdir())
     tensors = [torch.randn(n, device=args.device) for n in SIZES]
     size = sum(t.numel() * t.element_size() for t in tensors)
-    base = min(sequential_write(size, folder) for _ in range(RUNS))
+    base = write_seconds(folder, size, RUNS)
     print(f"dump writer, {size / 2**30:.2f} GiB of gradient-shaped tensors on {args.device}; "
           f"dump time / one sequential write of as many bytes:")
     for stable in (True, False):

@@ -19,6 +19,7 @@ from megalign.alignment.compare.metrics import tensor_metrics
 from megalign.alignment.compare.sources import open_source
 from megalign.alignment.compare.thresholds import Thresholds
 from megalign.alignment.compare.verdict import compare_sources
+from megalign.alignment.dump import writer as writer_module
 from megalign.alignment.dump.format import RankCoords
 from megalign.alignment.dump.sharding import Sharding
 from megalign.alignment.dump.staging import PinnedStaging
@@ -140,7 +141,9 @@ def test_a_divergence_is_caught_when_streamed(dump, monkeypatch):
     assert not report.summary.ok and report.summary.first_failure_by_kind.get("param_grad")
 
 
-def test_the_writer_thread_dumps_values_as_they_were_added_and_raises_its_errors(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])  # one on a machine of 7 cores or fewer (CI), more on bigger ones
+def test_the_writer_threads_dump_values_as_they_were_added_and_raise_their_errors(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(writer_module, "WRITE_THREADS", threads)
     writer = RankWriter(tmp_path / "ok", RankCoords(rank=0), flush_bytes=100)  # a file every two tensors
     tensors = [torch.randn(7, 3) for _ in range(5)]
     for i, tensor in enumerate(tensors):

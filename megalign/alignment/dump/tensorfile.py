@@ -56,12 +56,12 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor],
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    hashes = {}
+    pieces, hashes = pieces or _whole, {}
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for key, tensor in tensors.items():
             digest = xxhash.xxh3_128()  # streamed, it gives content_hash's value
-            for piece in (pieces or _whole)(tensor):
+            for piece in pieces(tensor):
                 digest.update(piece)
                 f.write(piece)
             hashes[key] = digest.hexdigest()

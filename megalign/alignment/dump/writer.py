@@ -69,7 +69,7 @@ class RankWriter:
             record.stats = TensorStats.of(tensor)
         else:
             record.key = str(record.order)
-            record.file = f"tensors-{len(self._files):05d}.safetensors"
+            record.file = self._current_file()
             self._pending.append((record, *_held(tensor, stable)))
             self._pending_bytes += tensor.numel() * tensor.element_size()
             if self._pending_bytes >= self.flush_bytes:
@@ -91,9 +91,12 @@ class RankWriter:
         if self._error is not None:
             raise RuntimeError(f"writing the dump failed: {self._error}") from self._error
 
+    def _current_file(self) -> str:
+        return f"tensors-{len(self._files):05d}.safetensors"
+
     def _flush(self) -> None:
         if self._pending:
-            path = self.dir / f"tensors-{len(self._files):05d}.safetensors"
+            path = self.dir / self._current_file()
             self._files.append(self._pool.submit(self._write_file, path, self._pending))
             self._pending, self._pending_bytes = [], 0
 
