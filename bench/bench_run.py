@@ -131,11 +131,18 @@ def write_seconds(folder: Path, size: int, repeats: int = 3) -> float:
     return best
 
 
+def positive(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "llama-0.1b.yaml")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant; the fastest counts")
+    parser.add_argument("--repeats", type=positive, default=3, help="runs of each variant; the fastest counts")
     parser.add_argument("--memory-child", type=int, choices=(0, 1), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child is not None:

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_run import write_seconds  # bench/ is this script's own folder on sys.path
+from bench_run import positive, write_seconds  # bench/ is this script's own folder on sys.path
 
 from megalign.alignment.dump import writer
 from megalign.alignment.dump.format import RankCoords
@@ -45,7 +45,8 @@ def dump(tensors: list[torch.Tensor], threads: int, stable: bool, folder: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--threads", type=positive, nargs="+", default=[1, 2, 4, 8],
+                        help="writing thread counts to time, each against the same sequential write")
     args = parser.parse_args()
     folder = Path(tempfile.gettempdir())
     tensors = [torch.randn(n, device=args.device) for n in SIZES]
