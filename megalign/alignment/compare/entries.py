@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megalign.alignment.dump.reader import Dump
 from megalign.alignment.dump.sharding import BatchRow
 from megalign.alignment.dump.stats import TensorStats
 
@@ -50,6 +51,9 @@ class Entry:
     # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
     # in a caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
+    # megalign dumps: the rank records it is put together from (reassemble.Shard), for the Python API's
+    # Dump.shards(); typed loosely so that this module and reassemble.py need not import each other.
+    shards: Optional[list] = None
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Source:
     precision: Optional[str] = None  # the run's dtype where the format records it
     model: Optional[dict] = None  # the model's config where the format records it
     rows: Optional[list[BatchRow]] = None  # the batch's documents where the format records them
+    dump: Optional[Dump] = None  # the megalign dump read (dump.json, manifests), for the Python API
 
 
 def phase(kind: Optional[str]) -> int:

@@ -51,7 +51,7 @@ def _open(path: Path) -> Source:
                    + (", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
-                  rows=dump.rows)
+                  rows=dump.rows, dump=dump)
 
 
 def _entry(dump: Dump, kind: str, name: str, shards: list[Shard]) -> Entry:
@@ -60,7 +60,7 @@ def _entry(dump: Dump, kind: str, name: str, shards: list[Shard]) -> Entry:
     itemsize = getattr(torch, record.dtype).itemsize
     return Entry(kind=kind, name=name, order=_order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
                  shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
-                 nbytes=None if record.file is None else math.prod(shape) * itemsize)
+                 nbytes=None if record.file is None else math.prod(shape) * itemsize, shards=shards)
 
 
 def _order(shard: Shard) -> tuple:

@@ -1,0 +1,1 @@
+"""megalign's public Python API, re-exported by `megalign`: `open` reads a dump, `Dumper` writes one."""
