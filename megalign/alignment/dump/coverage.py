@@ -12,6 +12,16 @@ import torch
 from megalign.alignment.errors import RunFailed
 
 
+def read_grad(param: torch.nn.Parameter, source: str = "auto") -> Optional[torch.Tensor]:
+    """`.grad`, falling back to megatron DDP's `main_grad` (where `.grad` stays None); `source` "grad"
+    or "main_grad" reads only that one (--grad-source, which keeps the classic mistakes reachable)."""
+    if source == "grad":
+        return param.grad
+    if source == "main_grad":
+        return getattr(param, "main_grad", None)
+    return param.grad if param.grad is not None else getattr(param, "main_grad", None)
+
+
 def has_gradient(grad: Optional[torch.Tensor]) -> bool:
     """An all-zero gradient counts as missing: it is what an untouched DDP main_grad buffer holds."""
     return grad is not None and bool(torch.any(grad != 0))

@@ -21,13 +21,19 @@ def package_version(name: str) -> str | None:
 
 
 def write_dump_meta(spec: RunSpec, elapsed_s: float, stack: str = "megatron", **extra) -> None:
-    write_json_atomic(Path(spec.out) / DUMP_META, {
-        "format": FORMAT, "version": VERSION, "stack": stack, "mode": spec.mode,
-        "layout": asdict(spec.layout), "world_size": spec.layout.world_size,
+    write_meta(Path(spec.out), stack, spec.mode, asdict(spec.layout), spec.layout.world_size, {
         "model": spec.model.to_dict(), "dtype": spec.dtype, "device": spec.device,
         "seq_len": spec.seq_len, "num_sequences": len(spec.tokens), "packed": spec.packed, "seed": spec.seed,
         "loss_norm": spec.loss_norm, "attention": spec.attention, "stats_only": spec.stats_only,
-        "filter": spec.filter, "hf_checkpoint": spec.hf, "elapsed_s": round(elapsed_s, 3),
+        "filter": spec.filter, "hf_checkpoint": spec.hf, "elapsed_s": round(elapsed_s, 3)}, **extra)
+
+
+def write_meta(out: Path, stack: str, mode: str, layout: dict, world_size: int, fields: dict, **extra) -> None:
+    """dump.json for any writer (a run, or megalign.Dumper): what every dump says, the writer's
+    `fields`, when and with what it was made, then `extra`."""
+    write_json_atomic(out / DUMP_META, {
+        "format": FORMAT, "version": VERSION, "stack": stack, "mode": mode, "layout": layout,
+        "world_size": world_size, **fields,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {"megalign": __version__, "torch": package_version("torch"),
                      "megatron-core": package_version("megatron-core"), "python": platform.python_version()},

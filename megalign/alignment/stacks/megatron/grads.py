@@ -13,25 +13,15 @@ classic mistake, and coverage then names the parameters that lie outside it.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-from megalign.alignment.dump.coverage import check_coverage, has_gradient
+from megalign.alignment.dump.coverage import check_coverage, has_gradient, read_grad
 from megalign.alignment.dump.writer import RankWriter
 from megalign.alignment.spec import RunSpec
 from megalign.alignment.stacks.megatron.model import (global_name, is_duplicate_embedding, layer_index,
                                                       param_grad_layout, param_sharding)
-
-
-def read_grad(param: torch.nn.Parameter, source: str) -> Optional[torch.Tensor]:
-    if source == "grad":
-        return param.grad
-    if source == "main_grad":
-        return getattr(param, "main_grad", None)
-    return param.grad if param.grad is not None else getattr(param, "main_grad", None)
 
 
 def gather_sharded_grads(ddp) -> None:

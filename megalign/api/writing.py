@@ -1,0 +1,203 @@
+"""`megalign.Dumper`: write a megalign dump from any process, one that `megalign compare` reads.
+
+    with megalign.Dumper("dumps/mine") as dumper:
+        dumper.watch(model)                  # every submodule's output, and its gradient
+        with dumper.step(0):                 # at the end: the parameter gradients of watched modules
+            model(x).sum().backward()
+        dumper.add("loss", "loss", loss)     # anything else, with its sharding where it is split
+
+The dump is written as megalign's own runs write theirs: each rank through dump/writer.py's
+RankWriter, into the staging folder of run/staging.py (OUT.partial, claimed exclusively), renamed
+to OUT by rank 0 at close once every rank's manifest is written, with dump.json (dump/meta.py). A
+failure inside the `with` block removes the staging folder: OUT never holds half a dump.
+
+Ranks: one process is rank 0 of 1. Under torchrun the rank is torch.distributed's; the layout is
+megatron-core's parallel_state where it is initialised, otherwise every rank is a DP rank.
+
+The format has no step field: `step(n)` collects the parameter gradients when its block ends, and
+dump.json lists the steps. A second step's tensors repeat the first's names; compare (and
+megalign.open) name the repeats `name@1`, `name@2`, ...
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalign.alignment.dump.coverage import has_gradient, read_grad
+from megalign.alignment.dump.format import KINDS, RankCoords, layer_of
+from megalign.alignment.dump.meta import write_meta
+from megalign.alignment.dump.sharding import Sharding
+from megalign.alignment.dump.writer import RankWriter
+from megalign.alignment.errors import UserError
+from megalign.alignment.run.staging import check_out, staged, staging_dir
+
+_PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+
+
+class Dumper:
+    """Writes one megalign dump into `out`, which must be new or empty (`overwrite=True` replaces an
+    existing megalign dump, never anything else: the rule of `megalign backward --overwrite`).
+
+    Every rank of a torchrun job makes its own Dumper with the same `out`. The dump appears at
+    `close()` (or at the end of a `with` block), all at once; a refused `out` raises UserError on
+    every rank before anything is written.
+    """
+
+    def __init__(self, out, *, overwrite: bool = False):
+        self.out = Path(out)
+        self.coords, self.layout = _place()
+        self._world = self.layout["tp"] * self.layout["pp"] * self.layout["cp"] * self.layout["dp"]
+        self._landing = contextlib.ExitStack()  # holds the claimed staging folder until close()
+
+        def claim() -> None:
+            check_out(self.out, overwrite)
+            self._landing.enter_context(staged(self.out, overwrite))
+
+        self._on_rank_zero(claim)
+        self._writer = RankWriter(staging_dir(self.out), self.coords)
+        self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
+        self._hooks: list = []
+        self._steps: list[int] = []
+        self._closed = False
+
+    def add(self, kind: str, name: str, tensor: torch.Tensor, sharding: Optional[Sharding] = None) -> None:
+        """Record `tensor` (copied now) as (kind, name). `sharding` says how this rank's tensor is a
+        piece of the whole (megalign.Sharding: `dp_dim`, `seq_dim` (CP zigzag), `tp_dim`, `tp_parts`,
+        `sp`); None: every rank holds the whole tensor, a replica."""
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{kind} {name}: a torch.Tensor is needed, got {type(tensor).__name__}")
+        self._writer.add(kind, name, tensor, sharding or Sharding(), module=None, layer=layer_of(name))
+
+    def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0) -> None:
+        """Dump the output of every submodule of `module` (kind activation, named by its path, with
+        `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
+        when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
+        gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
+        rank computes the same outputs)."""
+        def named(path: str) -> str:
+            return f"{prefix}.{path}" if prefix and path else prefix or path
+
+        for path, param in module.named_parameters():
+            self._watched.setdefault(named(path), param)
+        for path, sub in module.named_modules():
+            if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
+                self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), batch_dim)))
+
+    @contextlib.contextmanager
+    def step(self, n: int) -> Iterator[None]:
+        """A training step: when the block ends, the watched modules' parameter gradients are dumped
+        (`.grad`, or megatron DDP's `main_grad` where `.grad` is None), and dump.json records `n`."""
+        yield
+        for name, param in self._watched.items():
+            grad = read_grad(param)
+            if has_gradient(grad):
+                self._writer.add("param_grad", name, grad, Sharding(), module=name.rpartition(".")[0] or None,
+                                 layer=layer_of(name))
+        self._steps.append(n)
+
+    def close(self) -> None:
+        """Write every rank's manifest, then (rank 0) dump.json, and rename the staging folder to `out`."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unhook()
+        self._writer.close()
+        if self._world > 1:
+            dist.barrier()  # every manifest is on disk before dump.json says the dump is complete
+
+        def land() -> None:
+            kinds = {record.kind for record in self._writer.records}
+            floats = [_PRECISIONS[r.dtype] for r in self._writer.records if r.dtype in _PRECISIONS]
+            dtype = next((p for p in ("bf16", "fp16", "fp32", "fp64") if p in floats), None)
+            write_meta(staging_dir(self.out), "python",
+                       "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
+                       self.layout, self._world, {"dtype": dtype, "stats_only": False, "steps": self._steps})
+            self._landing.close()
+
+        self._on_rank_zero(land)
+
+    def abort(self) -> None:
+        """Stop without a dump: hooks off, the staging folder removed (rank 0)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unhook()
+        with contextlib.suppress(Exception):  # the error being handled is the one to report
+            self._writer.close()
+        self._landing.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def __enter__(self) -> "Dumper":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+    def _output_hook(self, name: str, batch_dim: Optional[int]) -> Callable:
+        def record(module, inputs, output):
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for index, tensor in enumerate(outputs):
+                if isinstance(tensor, torch.Tensor):
+                    self._record(name if index == 0 else f"{name}#{index}", name, tensor, batch_dim)
+
+        return record
+
+    def _record(self, key: str, module: str, tensor: torch.Tensor, batch_dim: Optional[int]) -> None:
+        split = batch_dim is not None and tensor.ndim > batch_dim and self.layout["dp"] > 1
+        sharding = Sharding(dp_dim=batch_dim) if split else Sharding()
+        layer = layer_of(module)
+        self._writer.add("activation", key, tensor, sharding, module=module, layer=layer)
+        if tensor.requires_grad:
+            def on_grad(grad: torch.Tensor) -> None:
+                self._writer.add("activation_grad", key, grad, sharding, module=module, layer=layer)
+
+            tensor.register_hook(on_grad)
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def _on_rank_zero(self, action: Callable[[], None]) -> None:
+        """Run `action` on rank 0, which owns the staging folder; every rank raises if it failed, so
+        that no rank waits for a dump that will not come."""
+        failure = None
+        if self.coords.rank == 0:
+            try:
+                action()
+            except Exception as error:
+                failure = error
+        if self._world > 1:
+            message = [None if failure is None else str(failure)]
+            dist.broadcast_object_list(message, src=0)
+            if failure is None and message[0] is not None:
+                raise UserError(f"rank 0: {message[0]}")
+        if failure is not None:
+            raise failure
+
+
+def _place() -> tuple[RankCoords, dict]:
+    """This process's coordinates and the job's layout: megatron-core's where its parallel_state is
+    initialised, else torch.distributed's ranks as DP ranks, else rank 0 of 1."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return RankCoords(rank=0), {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "sp": False}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = sys.modules.get("megatron.core.parallel_state")  # only where the program uses megatron-core
+    if state is None or not state.model_parallel_is_initialized():
+        return RankCoords(rank=rank, dp_rank=rank), {"tp": 1, "pp": 1, "cp": 1, "dp": world, "sp": False}
+    coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),
+                        cp_rank=state.get_context_parallel_rank(), pp_rank=state.get_pipeline_model_parallel_rank(),
+                        dp_rank=state.get_data_parallel_rank())
+    return coords, {"tp": state.get_tensor_model_parallel_world_size(), "pp": state.get_pipeline_model_parallel_world_size(),
+                    "cp": state.get_context_parallel_world_size(), "dp": state.get_data_parallel_world_size(),
+                    "sp": False}
