@@ -1,0 +1,163 @@
+"""The Python API: megalign.open reads what compare reads, megalign.Dumper writes what compare reads.
+
+Dumps come from real runs (the session's `dump` fixture) and from real scripts run as a user runs
+them (`python script.py`, and under torchrun with two gloo ranks); they are compared with the CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import megalign
+from megalign.alignment.errors import UserError
+from tests.conftest import invoke
+
+REPO = Path(megalign.__file__).parent.parent
+
+# A user's training script: a small model, one backward step, every rank's share of the batch. The
+# loss is the whole batch's mean on every rank count (summed here, then the gradients summed over
+# the ranks), so one process and two DP ranks compute the same numbers.
+SCRIPT = """
+import os, sys
+import torch
+import torch.distributed as dist
+import megalign
+
+if "RANK" in os.environ:
+    dist.init_process_group("gloo")
+rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+x = torch.randn(6, 8).chunk(world)[rank]
+with megalign.Dumper(sys.argv[1]) as dumper:
+    dumper.watch(model)
+    with dumper.step(0):
+        loss = model(x).square().sum() / 24
+        loss.backward()
+        for param in model.parameters():
+            if world > 1:
+                dist.all_reduce(param.grad)
+"""
+
+
+def run_script(tmp_path: Path, out: Path, *launcher: str) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, *launcher, str(script), str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_cp2_tensors_equal_cp1(dump):
+    cp1, cp2 = megalign.open(dump("backward")), megalign.open(dump("backward", "--cp", "2"))
+    names1, names2 = cp1.names("activation"), cp2.names("activation")
+    # CP=2 runs megalign's zigzag attention, without the local attention's softmax and dropout modules.
+    assert set(names2) <= set(names1)
+    assert all(".core_attention." in name for _, name in set(names1) - set(names2))
+    assert len(names2) > 20
+    for kind, name in names2:
+        a, b = cp1.tensor(kind, name), cp2.tensor(kind, name)
+        assert a.device.type == "cpu" and a.shape == b.shape, name
+        torch.testing.assert_close(b, a, msg=name)  # fp32 rounding: CP=2 sums in another order
+    assert cp2.meta["layout"]["cp"] == 2 and cp1.meta["layout"]["cp"] == 1
+
+
+def test_shards_of_a_cp2_tensor(dump):
+    cp2 = megalign.open(dump("backward", "--cp", "2"))
+    whole = cp2.tensor("activation", "decoder.layers.0.mlp")
+    shards = cp2.shards("activation", "decoder.layers.0.mlp")
+    assert [(s.rank, s.cp_rank, s.tp_rank, s.dp_rank, s.pp_rank) for s in shards] == [(0, 0, 0, 0, 0), (1, 1, 0, 0, 0)]
+    assert all(s.sharding.seq_dim == 0 for s in shards)
+    seq = whole.shape[0]
+    pieces = [s.tensor() for s in shards]
+    assert [list(p.shape) for p in pieces] == [s.shape for s in shards] == [[seq // 2, *whole.shape[1:]]] * 2
+    # Rank 0 holds the first and last quarter of the sequence (megatron's zigzag).
+    assert torch.equal(pieces[0], torch.cat([whole[:seq // 4], whole[-seq // 4:]]))
+
+
+def test_unknown_names_and_stats_only(dump, tmp_path):
+    cp1 = megalign.open(dump("backward"))
+    with pytest.raises(KeyError, match="close names: decoder.layers.0.mlp"):
+        cp1.tensor("activation", "decoder.layers.0.mpl")
+    with pytest.raises(KeyError, match="as kind 'activation'"):
+        cp1.tensor("param_grad", "decoder.layers.0.mlp")
+    stats = megalign.open(dump("backward", "--stats-only"))
+    with pytest.raises(ValueError, match="statistics only"):
+        stats.tensor("activation", "decoder.layers.0.mlp")
+    assert stats.shards("activation", "decoder.layers.0.mlp")[0].stats["numel"] > 0
+
+    save_file({"a.weight": torch.ones(2, 3)}, str(tmp_path / "plain.safetensors"))
+    plain = megalign.open(tmp_path / "plain.safetensors")
+    assert plain.names() == [(None, "a.weight")] and plain.meta == {}
+    assert torch.equal(plain.tensor(None, "a.weight"), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="shards\\(\\) reads megalign dumps"):
+        plain.shards(None, "a.weight")
+
+
+def test_a_dumper_script_compares_with_the_cli(tmp_path):
+    out = tmp_path / "mine"
+    run_script(tmp_path, out)
+    mine = megalign.open(out)
+    assert mine.meta["steps"] == [0] and mine.meta["mode"] == "backward"
+    assert ("activation", "0") in mine.names() and ("activation_grad", "2") in mine.names()
+    assert ("param_grad", "2.weight") in mine.names()
+    assert invoke("compare", out, out).exit_code == 0
+
+    changed = tmp_path / "changed"
+    subprocess.run(["cp", "-r", str(out), str(changed)], check=True)
+    file = changed / "rank-00000" / "tensors-00000.safetensors"
+    values = load_file(str(file))
+    key = next(iter(values))
+    values[key].view(-1)[0] += 1
+    save_file(values, str(file))
+    result = invoke("compare", out, changed)
+    assert result.exit_code == 1, result.output
+
+
+def test_two_dp_ranks_under_torchrun_equal_one_process(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_script(tmp_path, one)
+    run_script(tmp_path, two, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    assert megalign.open(two).meta["layout"]["dp"] == 2
+    assert [s.dp_rank for s in megalign.open(two).shards("activation", "0")] == [0, 1]
+    result = invoke("compare", one, two)
+    assert result.exit_code == 0, result.output
+    assert "0 only in one side" in result.output
+
+
+def test_dumper_refuses_a_folder_that_is_not_a_dump(tmp_path):
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep me")
+    before = sorted(tmp_path.rglob("*"))
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match="not empty|not a megalign dump"):
+            megalign.Dumper(mine, overwrite=overwrite)
+    assert sorted(tmp_path.rglob("*")) == before and (mine / "todo.txt").read_text() == "keep me"
+
+
+def test_dumper_leaves_nothing_on_failure_and_refuses_a_second_writer(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="the user's error"):
+        with megalign.Dumper(out) as dumper:
+            dumper.add("activation", "x", torch.ones(3))
+            raise RuntimeError("the user's error")
+    assert list(tmp_path.iterdir()) == []
+
+    first = megalign.Dumper(out)
+    with pytest.raises(UserError, match="another megalign run"):
+        megalign.Dumper(out)
+    first.add("loss", "loss", torch.tensor(1.5))
+    first.close()
+    assert megalign.open(out).tensor("loss", "loss").item() == 1.5
+    with pytest.raises(ValueError, match="kind 'weights'"), megalign.Dumper(tmp_path / "other") as dumper:
+        dumper.add("weights", "w", torch.ones(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
