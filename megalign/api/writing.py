@@ -81,7 +81,13 @@ class Dumper:
         `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
         when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
         gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
-        rank computes the same outputs)."""
+        rank computes the same outputs). Under megatron-core's TP or CP: NotImplementedError."""
+        if self.layout["tp"] > 1 or self.layout["cp"] > 1:
+            # Outputs split over TP or CP ranks need megatron-core's inference (stacks/megatron/capture.py),
+            # not wired here yet: labelled as replicas they would be put back together wrong.
+            raise NotImplementedError("watch() knows DP splits only; under TP or CP, add() each tensor with "
+                                      "its megalign.Sharding")
+
         def named(path: str) -> str:
             return f"{prefix}.{path}" if prefix and path else prefix or path
 
