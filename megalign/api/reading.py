@@ -17,10 +17,10 @@ import torch
 
 from megalign.alignment.compare.entries import Entry, Source
 from megalign.alignment.compare.sources import open_source
+from megalign.alignment.dump.format import TensorRecord
 from megalign.alignment.dump.reader import Dump as DumpFiles
 from megalign.alignment.dump.reader import RankManifest
 from megalign.alignment.dump.sharding import Sharding
-from megalign.alignment.dump.format import TensorRecord
 
 
 @dataclass

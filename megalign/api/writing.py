@@ -204,6 +204,7 @@ def _place() -> tuple[RankCoords, dict]:
     coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),
                         cp_rank=state.get_context_parallel_rank(), pp_rank=state.get_pipeline_model_parallel_rank(),
                         dp_rank=state.get_data_parallel_rank())
-    return coords, {"tp": state.get_tensor_model_parallel_world_size(), "pp": state.get_pipeline_model_parallel_world_size(),
+    return coords, {"tp": state.get_tensor_model_parallel_world_size(),
+                    "pp": state.get_pipeline_model_parallel_world_size(),
                     "cp": state.get_context_parallel_world_size(), "dp": state.get_data_parallel_world_size(),
                     "sp": False}
