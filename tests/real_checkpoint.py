@@ -12,6 +12,7 @@ safetensors, with its tokenizer and two sequences of English text as token ids, 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -52,13 +53,19 @@ def build(out: Path = CHECKPOINT) -> Path:
         config = {k: v for k, v in quantized.config.to_dict().items() if k not in DROPPED}
         model = LlamaForCausalLM(LlamaConfig(**config))
         model.load_state_dict(quantized.state_dict())
-        staging = out.with_name(out.name + ".building")
+        # A folder of this process's own: two test runs building at once must not write into one.
+        staging = out.with_name(f"{out.name}.building-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         tokens = [tokenizer(text)["input_ids"] for text in TEXTS]
         (staging / "tokens.json").write_text(json.dumps(tokens))
-        staging.rename(out)
+        try:
+            staging.rename(out)
+        except OSError:
+            if not (out / "tokens.json").is_file():
+                raise
+            shutil.rmtree(staging)  # another run built it first: the same weights, keep theirs
     return out
 
 
