@@ -139,7 +139,7 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.2)
+        time.sleep(1.0)
 
 
 def test_two_runs_with_one_out_never_mix(tmp_path):
@@ -161,8 +161,9 @@ def test_two_runs_with_one_out_never_mix(tmp_path):
     assert all(any(t["kind"] == "param_grad" for t in m["tensors"]) for m in manifests)  # both ranks are A's
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_stops_every_worker_and_leaves_nothing(tmp_path, sig):
+@pytest.mark.parametrize("sig, times", [(signal.SIGTERM, 1), (signal.SIGHUP, 1), (signal.SIGINT, 3)])
+def test_a_signal_stops_every_worker_and_leaves_nothing(tmp_path, sig, times):
+    """A signal, or Ctrl-C pressed three times (the later ones arrive during the cleanup)."""
     marker = uuid.uuid4().hex
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -172,10 +173,12 @@ def test_a_signal_stops_every_worker_and_leaves_nothing(tmp_path, sig):
     # Rank 1 hangs after building the model: both workers are up once rank 0 has written its first file.
     wait_for(lambda: len(processes_with_env(f"MEGALIGN_TEST_RUN={marker}")) >= 3)
     time.sleep(3)
-    run.send_signal(sig)
+    for _ in range(times):
+        run.send_signal(sig)
+        time.sleep(1.0)
     _, stderr = run.communicate(timeout=60)
     assert run.returncode == 130, stderr
-    assert f"interrupted ({sig.name})" in stderr
+    assert f"interrupted ({sig.name})" in stderr and "Traceback" not in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]  # neither out nor out.partial
     assert leftovers(scratch) == []  # no spec file, no torchelastic_* log folder
     wait_for(lambda: not processes_with_env(f"MEGALIGN_TEST_RUN={marker}"), timeout=20)
