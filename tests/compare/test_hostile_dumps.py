@@ -174,4 +174,4 @@ def test_a_shape_larger_than_its_file_is_refused_before_allocating(dump, tmp_pat
     """Claimed sizes past int64 (a torch overflow today) and past any machine's memory."""
     bad = copy_dump(dump(*CP1), tmp_path / "bad")
     edit_json(bad / "rank-00000" / "manifest.json", lambda raw: first_record(raw).update(shape=shape))
-    exit_2(invoke("compare", dump(*CP1), bad), "more than its file")
+    exit_2(invoke("compare", dump(*CP1), bad), "more than the file holds")

@@ -181,7 +181,8 @@ def check_tensor_file(name: str, rank_dir: Path, where: str, holds: int = 0) -> 
     if not stat.S_ISREG(info.st_mode):
         raise Malformed(f"{where}: {path} is not a regular file")
     if holds > info.st_size:
-        raise Malformed(f"{where}: its shape needs {holds} bytes, more than its file {path} holds ({info.st_size})")
+        raise Malformed(f"{where}: {path} is unreadable: the shape needs {holds} bytes, more than the file holds "
+                        f"({info.st_size})")
     return path
 
 
