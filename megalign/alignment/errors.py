@@ -1,7 +1,12 @@
 """Errors a user can fix: the CLI prints them as one line and exits non-zero, never a traceback."""
 
+import os
 import re
+import stat
 from pathlib import Path
+
+# A config or a tokens file is kilobytes: a bigger one is the wrong file, read only to exhaust memory.
+MAX_USER_FILE = 64 << 20
 
 
 class UserError(Exception):
@@ -29,12 +34,23 @@ def compile_pattern(option: str, text: str) -> re.Pattern:
 
 
 def read_user_text(path: Path, what: str) -> str:
-    """The text of a file the user named (`what`: "config", "tokens file"), or a UserError saying why not."""
+    """The text of a file the user named (`what`: "config", "tokens file"), or a UserError saying why not.
+    Only a regular file of at most MAX_USER_FILE bytes is read (never /dev/zero, a FIFO or a disk)."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait for a writer
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise UserError(f"{what} {path} is a folder, not a file")
+            if not stat.S_ISREG(mode):
+                raise UserError(f"{what} {path} is not a regular file")
+            data = os.read(fd, MAX_USER_FILE + 1)  # bounded even when the file grows meanwhile
+        finally:
+            os.close(fd)
+        if len(data) > MAX_USER_FILE:
+            raise UserError(f"{what} {path} is larger than {MAX_USER_FILE >> 20} MiB; is it the right file?")
+        return data.decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{what} not found: {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"{what} {path} is a folder, not a file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{what} {path}: unreadable ({type(e).__name__}: {e})") from None

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Hashable
 from typing import Literal, Optional
 
 import yaml
@@ -23,6 +24,22 @@ VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 # The sizes a config file must give: the defaults are the tiny model's.
 REQUIRED_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last value
+    silently, so a config would run with a value other than the one its reader sees first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader refuses it itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 @dataclass(frozen=True)
@@ -63,7 +80,7 @@ class ModelConfig:
     def from_yaml(cls, path: Path) -> "ModelConfig":
         text = read_user_text(path, "config")
         try:
-            raw = yaml.safe_load(text)
+            raw = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
@@ -191,14 +208,19 @@ class Layout:
         need = self.ep * self.expert_tp
         return max(1, need // math.gcd(need, self.tp * self.cp))
 
+    def check_sizes(self) -> None:
+        """Every size at least 1: the others are divided by them (expert_dp, the CP split)."""
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("dp", self.dp), ("ep", self.ep),
+                           ("etp", self.expert_tp)):
+            if size < 1:
+                raise UserError(f"--{name} must be at least 1, got {size}")
+
     def _check_experts(self, model: ModelConfig) -> None:
         if model.is_moe and self.tp > 1 and not self.sp:
             raise UserError("an MoE model with --tp > 1 needs --sp (megatron-core refuses MoE with tensor "
                             "parallelism and without sequence parallelism in training)")
         if (self.ep, self.expert_tp) == (1, self.tp):
             return
-        if self.ep < 1 or self.expert_tp < 1:
-            raise UserError("--ep and --etp must be at least 1")
         if not model.is_moe:
             raise UserError(f"--ep/--etp split experts, and the model {model.name!r} has none (set num_moe_experts)")
         if model.num_moe_experts % self.ep:
@@ -219,9 +241,7 @@ class Layout:
 
     def check(self, model: ModelConfig, seq_len: int, sequences: int) -> None:
         """Raise UserError for a layout the model or the batch cannot be split into."""
-        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("dp", self.dp)):
-            if size < 1:
-                raise UserError(f"--{name} must be at least 1, got {size}")
+        self.check_sizes()
         if self.sp and self.tp == 1:
             raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
         self._check_experts(model)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 import typer
+from typer.exceptions import TyperException
 
 from megalign.alignment.errors import UserError
 from megalign.cli.compare import (AllowSkipped, Filter, Format, JsonOut, Judging, NoColor, Plot, Threshold, Tolerance,
@@ -57,12 +58,13 @@ def check(
     use_color(no_color)
     judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
                       json_out=json_out, plot=plot, workers=workers, fmt=fmt)
-    runs = {"baseline": baseline, "target": target}
+    runs = {"baseline": ("--baseline", baseline), "target": ("--target", target)}
     if reference:
-        runs["reference"] = f"{baseline} --dtype fp64"
+        runs["reference"] = ("--baseline", f"{baseline} --dtype fp64")
     try:
         check_judging(judging, [out])
-        argv = {name: _run_argv(mode, ctx.args, extra, out / name, overwrite) for name, extra in runs.items()}
+        argv = {name: _run_argv(mode, ctx.args, option, extra, out / name, overwrite)
+                for name, (option, extra) in runs.items()}
     except UserError as e:
         fail(str(e), e.exit_code)
     for name, command in argv.items():
@@ -73,13 +75,27 @@ def check(
     raise typer.Exit(run_compare(out / "baseline", out / "target", out / "reference" if reference else None, judging))
 
 
-def _run_argv(mode: str, shared: list[str], extra: str, out: Path, overwrite: bool) -> list[str]:
+def _run_argv(mode: str, shared: list[str], option: str, extra: str, out: Path, overwrite: bool) -> list[str]:
+    """The command line of one run; `option` (--baseline, --target) is where `extra` came from."""
     try:
         own = shlex.split(extra)
     except ValueError as e:
         raise UserError(f"cannot split {extra!r} into options: {e}") from None
-    for option in ("--out", "-o", "--overwrite"):
-        if option in shared or option in own:
-            raise UserError(f"{option} is check's own option: it names each run's folder inside --out")
+    for own_option in ("--out", "-o", "--overwrite"):
+        if own_option in shared or own_option in own:
+            raise UserError(f"{own_option} is check's own option: it names each run's folder inside --out")
+    _check_run_options(mode, shared, "megalign check")
+    _check_run_options(mode, [*shared, *own], f"megalign check {option} {extra!r}")
     return [sys.executable, "-m", "megalign", mode, *shared, *own, "--out", str(out)] + \
         (["--overwrite"] if overwrite else [])
+
+
+def _check_run_options(mode: str, args: list[str], where: str) -> None:
+    """Parse a run's options as `megalign MODE` will, so that a typo stops check before any run."""
+    from megalign.cli.app import app  # app imports this module
+
+    command = typer.main.get_command(app).commands[mode]
+    try:
+        command.make_context(mode, list(args))
+    except TyperException as e:  # typer's click: a usage error or a bad value
+        raise UserError(f"{where}: {e.format_message()}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal, Optional
@@ -10,13 +11,14 @@ import typer
 from rich.markup import escape
 
 from megalign.alignment.compare.metrics import TensorMetrics
-from megalign.alignment.compare.outputs import check_outputs
+from megalign.alignment.compare.outputs import check_outputs, write_replacing
 from megalign.alignment.compare.sources import open_source
 from megalign.alignment.compare.thresholds import Thresholds
 from megalign.alignment.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                                 SKIPPED, Report, Row, compare_sources)
 from megalign.alignment.errors import UserError
-from megalign.cli.render import Cell, Column, console, fail, print_table, resolve_format, use_color
+from megalign.cli.render import (Cell, Column, console, fail, print_table, reader_may_leave, resolve_format,
+                                 use_color)
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
                  NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta", APART: "yellow"}
@@ -106,27 +108,33 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
                                  allow_skipped=judging.allow_skipped, reference=source_r)
     except UserError as e:
         fail(str(e), e.exit_code)
-    for side, path, source in (("A", a, source_a), ("B", b, source_b), ("R", reference, source_r)):
-        if source is not None:
-            console.print(f"[bold]{side}[/] {escape(str(path))}: {escape(source.description)}"
-                          + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
-    console.print()
-    print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
-                resolve_format(judging.fmt), highlight=report.first_divergence)
-    console.print()
-    _print_summary(report, judging.allow_skipped)
-    try:
-        if judging.json_out is not None:
-            from megalign.alignment.compare.report import write_jsonl
+    with reader_may_leave():
+        for side, path, source in (("A", a, source_a), ("B", b, source_b), ("R", reference, source_r)):
+            if source is not None:
+                console.print(f"[bold]{side}[/] {escape(str(path))}: {escape(source.description)}"
+                              + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
+        console.print()
+        print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
+                    resolve_format(judging.fmt), highlight=report.first_divergence)
+        console.print()
+        _print_summary(report, judging.allow_skipped)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+    if judging.json_out is not None:
+        from megalign.alignment.compare.report import write_jsonl
 
-            write_jsonl(report, judging.json_out)
-        if judging.plot is not None:
-            from megalign.alignment.compare.plot import plot_divergence
+        _write_report(judging.json_out, lambda tmp: write_jsonl(report, tmp))
+    if judging.plot is not None:
+        from megalign.alignment.compare.plot import plot_divergence
 
-            plot_divergence(report, judging.plot)
-    except OSError as e:
-        fail(f"cannot write {e.filename}: {e.strerror}", 2)
+        _write_report(judging.plot, lambda tmp: plot_divergence(report, tmp))
     return 0 if report.summary.ok else 1
+
+
+def _write_report(path: Path, write) -> None:
+    try:
+        write_replacing(path, write)
+    except OSError as e:  # the error of a failed write or flush names no file: the user's path does
+        fail(f"cannot write {path}: {e.strerror}", 2)
 
 
 # Mean abs diff, cosine and the rest are in the --json report.

@@ -7,9 +7,11 @@ comment. Cells are never cut: a narrow terminal wraps the long ones.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 from dataclasses import dataclass
-from typing import NoReturn, Optional, Sequence
+from typing import Iterator, NoReturn, Optional, Sequence
 
 import typer
 from rich import box
@@ -17,7 +19,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-console = Console()
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError  # rich's own exits 1, whatever the verdict: reader_may_leave handles it
+
+
+console = _Console()
 err_console = Console(stderr=True)
 
 FORMATS = ("auto", "table", "plain", "markdown")
@@ -27,6 +34,20 @@ def fail(message: str, code: int) -> NoReturn:
     """Print `error: message` in red on stderr and exit with `code`."""
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def reader_may_leave() -> Iterator[None]:
+    """`megalign compare A B | head -3`: a reader that closes the pipe ends the printing, not the
+    command, whose exit code stays its verdict's (click would exit 1)."""
+    try:
+        yield
+    except BrokenPipeError:
+        # What is still buffered is flushed again at exit: into /dev/null, quietly.
+        console.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def plural(count: int, word: str) -> str:

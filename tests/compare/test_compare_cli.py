@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2, copy_dump, perturb
 from conftest import invoke
@@ -116,6 +119,34 @@ def test_json_report_and_plot(dump, tmp_path):
     logprobs = next(r for r in rows if r["kind"] == "logprobs")
     assert logprobs["logprobs"]["worst_token"] is not None and logprobs["logprobs"]["p99_abs_diff"] >= 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_report_path_linked_to_an_input_gets_a_file_of_its_own(dump, tmp_path):
+    a = copy_dump(dump(*CP1), tmp_path / "a")
+    manifest = a / "rank-00000" / "manifest.json"
+    before = manifest.read_bytes()
+    os.link(manifest, tmp_path / "r.jsonl")  # a hard link: the same file under another name
+    result = invoke("compare", a, dump(*CP1), "--json", tmp_path / "r.jsonl")
+    assert result.exit_code == 0, result.output
+    assert manifest.read_bytes() == before
+    assert read_jsonl(tmp_path / "r.jsonl")[1]["ok"] is True
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "r.jsonl"]  # no temporary file left
+
+
+def test_a_report_path_that_is_not_a_file_is_named(dump):
+    result = invoke("compare", dump(*CP1), dump(*CP1), "--json", "/dev/full")
+    assert result.exit_code == 2
+    assert "--json /dev/full is not a regular file" in result.output and "Traceback" not in result.output
+
+
+def test_a_reader_that_leaves_early_does_not_change_the_verdict(dump):
+    """`megalign compare A B | head -0`: the pipe is closed before the first line is printed."""
+    run = subprocess.Popen([sys.executable, "-m", "megalign", "compare", str(dump(*CP1)), str(dump(*CP1))],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run.stdout.close()
+    stderr = run.stderr.read()
+    assert run.wait(timeout=300) == 0, stderr
+    assert stderr == ""
 
 
 def test_stats_only_dumps_compare_by_summaries(dump):

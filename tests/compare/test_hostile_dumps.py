@@ -167,3 +167,11 @@ def test_outputs_inside_an_input_are_refused(dump, tmp_path, target):
     exit_2(invoke("compare", a, b, option, path), "is inside the input")
     assert {p: p.read_bytes() for p in before} == before
     assert not path.exists() or path.name == "dump.json"
+
+
+@pytest.mark.parametrize("shape", [[2 ** 31, 2 ** 31], [2 ** 59]])
+def test_a_shape_larger_than_its_file_is_refused_before_allocating(dump, tmp_path, shape):
+    """Claimed sizes past int64 (a torch overflow today) and past any machine's memory."""
+    bad = copy_dump(dump(*CP1), tmp_path / "bad")
+    edit_json(bad / "rank-00000" / "manifest.json", lambda raw: first_record(raw).update(shape=shape))
+    exit_2(invoke("compare", dump(*CP1), bad), "more than the file holds")

@@ -38,3 +38,14 @@ def test_a_failing_run_stops_check_with_its_error(tmp_path, capfd):
     assert unsplittable.exit_code == 2 and "cannot split" in unsplittable.output
     own_option = invoke("check", "--target", "--out x", "--out", tmp_path / "c")
     assert own_option.exit_code == 2 and "--out is check's own option" in own_option.output
+
+
+def test_a_run_option_that_does_not_exist_stops_check_before_any_run(tmp_path):
+    result = invoke("check", "--target", "--bogus 3", "--out", tmp_path / "check")
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "megalign check --target '--bogus 3': No such option: --bogus" in lines[0], result.output
+    assert "Traceback" not in result.output and "baseline:" not in result.output  # no run started
+    assert not (tmp_path / "check").exists()
+    shared = invoke("check", "--tp", "x", "--out", tmp_path / "check")
+    assert shared.exit_code == 2 and "error: megalign check: Invalid value for '--tp'" in shared.output

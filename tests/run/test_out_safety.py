@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +36,56 @@ def test_overwrite_never_deletes_a_folder_that_is_not_a_dump(tmp_path):
     assert result.exit_code == 2
     assert "not a megalign dump" in error_line(result)
     assert (precious / "notes.txt").read_text() == "mine"
+
+
+def copy_of(dump_dir: Path, where: Path) -> Path:
+    shutil.copytree(dump_dir, where)
+    return where
+
+
+def contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("extra", ["rank-00000/thesis.tex", "rank-00007/thesis.tex", "rank-00000/drafts/thesis.tex"])
+def test_overwrite_never_deletes_what_a_dumps_manifests_do_not_name(tmp_path, dump, extra):
+    out = copy_of(dump("forward"), tmp_path / "out")
+    (out / extra).parent.mkdir(parents=True, exist_ok=True)
+    (out / extra).write_text("mine")
+    before = contents(out)
+    result = invoke("forward", "--out", out, "--overwrite")
+    assert result.exit_code == 2
+    assert "not a megalign dump" in error_line(result) and extra.split("/")[0] in error_line(result)
+    assert contents(out) == before
+
+
+def test_overwrite_needs_a_dump_json(tmp_path):
+    mine = tmp_path / "thesis"
+    (mine / "rank-00000").mkdir(parents=True)
+    (mine / "rank-00000" / "thesis.tex").write_text("mine")
+    result = invoke("forward", "--out", mine, "--overwrite")
+    assert result.exit_code == 2
+    assert "no megalign dump.json" in error_line(result)
+    assert (mine / "rank-00000" / "thesis.tex").read_text() == "mine"
+
+
+def test_an_out_that_is_a_link_is_refused(tmp_path, dump):
+    target = copy_of(dump("forward"), tmp_path / "target")
+    before = contents(target)
+    (tmp_path / "link").symlink_to(target)
+    result = invoke("forward", "--out", tmp_path / "link", "--overwrite")
+    assert result.exit_code == 2
+    assert "is a symbolic link" in error_line(result)
+    assert contents(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
+
+
+@pytest.mark.parametrize("name", ["x" * 250, "x" * 300, "x" * 300 + "/run"])
+def test_an_out_name_too_long_is_one_line(tmp_path, name):
+    result = invoke("forward", "--out", tmp_path / name)
+    assert result.exit_code == 2
+    assert "too long" in error_line(result)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_overwrite_refuses_the_working_folder_and_its_parents(tmp_path, monkeypatch):
@@ -88,7 +139,7 @@ def wait_for(predicate, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.2)
+        time.sleep(1.0)
 
 
 def test_two_runs_with_one_out_never_mix(tmp_path):
@@ -110,8 +161,9 @@ def test_two_runs_with_one_out_never_mix(tmp_path):
     assert all(any(t["kind"] == "param_grad" for t in m["tensors"]) for m in manifests)  # both ranks are A's
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_stops_every_worker_and_leaves_nothing(tmp_path, sig):
+@pytest.mark.parametrize("sig, times", [(signal.SIGTERM, 1), (signal.SIGHUP, 1), (signal.SIGINT, 3)])
+def test_a_signal_stops_every_worker_and_leaves_nothing(tmp_path, sig, times):
+    """A signal, or Ctrl-C pressed three times (the later ones arrive during the cleanup)."""
     marker = uuid.uuid4().hex
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -121,10 +173,12 @@ def test_a_signal_stops_every_worker_and_leaves_nothing(tmp_path, sig):
     # Rank 1 hangs after building the model: both workers are up once rank 0 has written its first file.
     wait_for(lambda: len(processes_with_env(f"MEGALIGN_TEST_RUN={marker}")) >= 3)
     time.sleep(3)
-    run.send_signal(sig)
+    for _ in range(times):
+        run.send_signal(sig)
+        time.sleep(1.0)
     _, stderr = run.communicate(timeout=60)
     assert run.returncode == 130, stderr
-    assert f"interrupted ({sig.name})" in stderr
+    assert f"interrupted ({sig.name})" in stderr and "Traceback" not in stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]  # neither out nor out.partial
     assert leftovers(scratch) == []  # no spec file, no torchelastic_* log folder
     wait_for(lambda: not processes_with_env(f"MEGALIGN_TEST_RUN={marker}"), timeout=20)

@@ -37,6 +37,9 @@ def bad_files(tmp_path):
     (tmp_path / "sparse.yaml").write_text("name: mine\nnum_layers: 4\n")
     (tmp_path / "eps.yaml").write_text(full + "layernorm_epsilon: -1\n")
     (tmp_path / "std.yaml").write_text(full + "init_method_std: .nan\n")
+    (tmp_path / "twice.yaml").write_text(full + "hidden_size: 128\n")
+    with open(tmp_path / "huge.json", "wb") as huge:  # sparse: no disk spent
+        huge.truncate((64 << 20) + 1)
     return tmp_path
 
 
@@ -62,6 +65,16 @@ def bad_files(tmp_path):
     (["--config", "{d}/eps.yaml"], "layernorm_epsilon must be a finite number > 0, got -1"),
     (["--config", "{d}/std.yaml"], "init_method_std must be a finite number > 0, got nan"),
     (["--nnodes", "0"], "--nnodes must be at least 1"),
+    (["--tp", "0"], "--tp must be at least 1, got 0"),
+    (["--dp", "0"], "--dp must be at least 1, got 0"),
+    (["--ep", "0"], "--ep must be at least 1, got 0"),
+    (["--timeout", "nan"], "--timeout must be a positive number of seconds, got nan"),
+    (["--timeout", "inf"], "--timeout must be a positive number of seconds, got inf"),
+    (["--timeout", "-1"], "--timeout must be a positive number of seconds, got -1"),
+    (["--tokens", "/dev/zero"], "tokens file /dev/zero is not a regular file"),
+    (["--config", "/dev/zero"], "config /dev/zero is not a regular file"),
+    (["--tokens", "{d}/huge.json"], "is larger than 64 MiB"),
+    (["--config", "{d}/twice.yaml"], "twice.yaml:6:1: not valid YAML (duplicate key 'hidden_size')"),
     (["--dtype", "fp64", "--attention", "te"], "TransformerEngine's attention has no float64 kernels"),
     (["--sp"], "--sp splits the sequence over the TP ranks: it needs --tp > 1"),
     (["--dp", "3"], "--dp 3 does not divide the 2 sequences"),

@@ -19,8 +19,8 @@ from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.errors import UserError
 
 # The dtypes safetensors stores, by the names dtype_name() writes.
-DTYPES = ("float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32", "int16",
-          "int8", "uint8", "bool")
+DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8,
+          "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # and their sizes in bytes
 LAYOUT_AXES = ("tp", "pp", "cp")  # every dump has them; dp came later, 1 when absent
 
 
@@ -145,12 +145,14 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
     file, key, stats = record.get("file"), record.get("key"), record.get("stats")
     if file is None and stats is None:
         raise Malformed(f"{where}: a record needs a file (values) or stats (--stats-only)")
+    shape = [_int(n, f"{where}: shape") for n in shape]
     if file is not None:
-        check_tensor_file(_str(file, f"{where}: file"), rank_dir, where)
+        # Its bytes must fit in its file: a shape claiming more would be allocated before any read.
+        check_tensor_file(_str(file, f"{where}: file"), rank_dir, where, holds=math.prod(shape) * DTYPES[dtype])
         _str(key, f"{where}: key")
     return TensorRecord(kind=kind, name=_str(record.get("name"), f"{where}: name"),
                         order=_int(record.get("order"), f"{where}: order"),
-                        shape=[_int(n, f"{where}: shape") for n in shape], dtype=dtype,
+                        shape=shape, dtype=dtype,
                         sharding=_sharding(record.get("sharding"), len(shape), where),
                         module=record.get("module") if isinstance(record.get("module"), str) else None,
                         layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
@@ -166,17 +168,21 @@ def _hash(raw: Any, where: str) -> Optional[str]:
     return raw
 
 
-def check_tensor_file(name: str, rank_dir: Path, where: str) -> Path:
-    """A record's file: a plain name of a regular file in its rank folder (no path, no link, no FIFO)."""
+def check_tensor_file(name: str, rank_dir: Path, where: str, holds: int = 0) -> Path:
+    """A record's file: a plain name of a regular file in its rank folder (no path, no link, no FIFO),
+    of at least `holds` bytes."""
     if Path(name).name != name or name in (".", "..") or "/" in name or "\\" in name:
         raise Malformed(f"{where}: file {name!r} is not a file name inside the rank folder")
     path = rank_dir / name
     try:
-        mode = os.lstat(path).st_mode
+        info = os.lstat(path)
     except OSError:
         raise Malformed(f"{where}: file {name!r} is missing from {rank_dir}") from None
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(info.st_mode):
         raise Malformed(f"{where}: {path} is not a regular file")
+    if holds > info.st_size:
+        raise Malformed(f"{where}: {path} is unreadable: the shape needs {holds} bytes, more than the file holds "
+                        f"({info.st_size})")
     return path
 
 

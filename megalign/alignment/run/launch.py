@@ -94,19 +94,28 @@ def worker_env(spec: RunSpec) -> dict:
     return env
 
 
+# Each unwinds like Ctrl-C, so that workers are stopped and staging is removed.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
 def signals_as_interrupts() -> Iterator[None]:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so that workers are stopped and staging is removed."""
+    """SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt. After the first, the others are ignored
+    until the process exits: a second Ctrl-C would break off the cleanup (workers left running, a
+    folder half removed) or print a traceback from the exit handlers."""
 
     def interrupt(signum, frame):
+        for sig in INTERRUPTS:
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, interrupt) for sig in INTERRUPTS}
     try:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) is interrupt:  # not once interrupted: the process is on its way out
+                signal.signal(sig, handler)
 
 
 def launch(spec: RunSpec, options: LaunchOptions, on_event: Callable[[dict], None] = lambda e: None) -> RunResult:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -107,8 +108,9 @@ def plan_run(request: RunRequest) -> RunSpec:
     model = resolve_model(request)
     tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
     check_tokens(tokens, model.vocab_size)
-    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp, dp=request.dp or 1, sp=request.sp, ep=request.ep,
-                    etp=request.etp)
+    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp, dp=1 if request.dp is None else request.dp,
+                    sp=request.sp, ep=request.ep, etp=request.etp)
+    layout.check_sizes()
     if request.dp is None:
         layout = replace(layout, dp=layout.expert_dp())
     seq_len = resolve_seq_len(tokens, request.seq_len)
@@ -119,8 +121,8 @@ def plan_run(request: RunRequest) -> RunSpec:
     if request.filter:
         compile_pattern("--filter", request.filter)
     check_attention(request.attention, request.cp, request.dtype, request.packed)
-    if request.timeout_s <= 0:
-        raise UserError("--timeout must be positive")
+    if not (math.isfinite(request.timeout_s) and request.timeout_s > 0):
+        raise UserError(f"--timeout must be a positive number of seconds, got {request.timeout_s:g}")
     check_out(request.out, request.overwrite)
     return RunSpec(mode=request.mode, out=str(request.out), model=model, layout=layout, tokens=tokens, seq_len=seq_len,
                    device=resolve_device(request.device), dtype=request.dtype, seed=request.seed,

@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Iterator
 
-from megalign.alignment.dump.format import DUMP_META, FORMAT
+from megalign.alignment.dump.format import DUMP_META, FORMAT, MANIFEST
 from megalign.alignment.errors import UserError
 
 MARKER = ".megalign-run"
@@ -30,8 +30,23 @@ def staging_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def aside_dir(out: Path) -> Path:
+    """Where --overwrite moves the old dump while the new one is renamed into place."""
+    return out.with_name(f".{out.name}.megalign-replaced-{os.getpid()}")
+
+
 def check_out(out: Path, overwrite: bool) -> None:
     """Refuse, before anything starts, an --out that cannot be written or must not be replaced."""
+    try:
+        _check_out(out, overwrite)
+    except OSError as e:  # e.g. a name the file system cannot hold (ENAMETOOLONG)
+        raise UserError(f"--out {out}: {e.strerror}") from None
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.is_symlink():
+        # Landing renames a folder onto OUT: onto a link it would replace the link, not the dump it points to.
+        raise UserError(f"--out {out} is a symbolic link; give the folder itself ({os.path.realpath(out)})")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a folder")
     resolved, cwd = out.resolve(), Path.cwd().resolve()
@@ -44,6 +59,7 @@ def check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"--out {out}: {ancestor} is not a folder")
     if not os.access(ancestor, os.W_OK):
         raise UserError(f"--out {out}: {ancestor} is not writable")
+    _check_name_length(out, ancestor)
     staging = staging_dir(out)
     if staging.exists() and not staging.is_dir():
         raise UserError(f"--out {out}: {staging} exists and is not a folder; move it away")
@@ -54,29 +70,71 @@ def check_out(out: Path, overwrite: bool) -> None:
         check_replaceable(out)
 
 
+def _check_name_length(out: Path, folder: Path) -> None:
+    """The folders made beside OUT have longer names than OUT's: each must fit the file system, or
+    the run would fail after its work is done."""
+    limit = os.pathconf(folder, "PC_NAME_MAX")
+    longest = max(len(os.fsencode(d.name)) for d in (staging_dir(out), aside_dir(out)))
+    if longest > limit:
+        raise UserError(f"--out {out}: the name is too long (megalign's staging folders beside it add "
+                        f"{longest - len(os.fsencode(out.name))} characters; the file system takes {limit})")
+
+
 def check_replaceable(out: Path) -> None:
     """--overwrite removes OUT only when it is a megalign dump and holds neither the working folder nor a parent of it."""
     resolved, cwd = out.resolve(), Path.cwd().resolve()
     if cwd == resolved or resolved in cwd.parents:
         raise UserError(f"--out {out} is the working folder or holds it; --overwrite will not replace it")
-    foreign = sorted(p.name for p in out.iterdir() if not _is_dump_part(p))
+    meta = _megalign_json(out / DUMP_META)
+    if meta is None:
+        raise UserError(f"--out {out} is not a megalign dump (no megalign {DUMP_META} in it); --overwrite only "
+                        "replaces megalign dumps")
+    foreign = _foreign(out, meta)
     if foreign:
         raise UserError(f"--out {out} is not a megalign dump (it holds {', '.join(foreign[:3])}"
                         f"{' ...' if len(foreign) > 3 else ''}); --overwrite only replaces megalign dumps")
 
 
-def _is_dump_part(path: Path) -> bool:
-    if path.name == DUMP_META:
-        return _is_megalign_meta(path)
-    return path.is_dir() and not path.is_symlink() and bool(_RANK_DIR.match(path.name))
+def _foreign(out: Path, meta: dict) -> list[str]:
+    """Everything in OUT, at any depth, that neither its dump.json nor its ranks' manifests name:
+    a user's file inside a rank folder is theirs as much as one beside dump.json."""
+    world = meta.get("world_size")
+    foreign = []
+    for path in sorted(out.iterdir()):
+        if path.name in _own_files(DUMP_META) and _is_plain_file(path):
+            continue
+        if _RANK_DIR.match(path.name) and isinstance(world, int) and int(path.name[5:]) < world \
+                and path.is_dir() and not path.is_symlink():
+            foreign += [f"{path.name}/{name}" for name in _foreign_in_rank(path)]
+        else:
+            foreign.append(path.name)
+    return foreign
 
 
-def _is_megalign_meta(path: Path) -> bool:
+def _foreign_in_rank(rank_dir: Path) -> list[str]:
+    manifest = _megalign_json(rank_dir / MANIFEST) or {}
+    tensors = manifest.get("tensors") if isinstance(manifest.get("tensors"), list) else []
+    named = {t["file"] for t in tensors if isinstance(t, dict) and isinstance(t.get("file"), str)}
+    ours = named | (_own_files(MANIFEST) if manifest else set())
+    return sorted(p.name for p in rank_dir.iterdir() if not (p.name in ours and _is_plain_file(p)))
+
+
+def _own_files(json_name: str) -> set[str]:
+    """A JSON file of the dump and the temporary file it is written through (format.write_json_atomic)."""
+    return {json_name, f".{json_name}.tmp"}
+
+
+def _is_plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _megalign_json(path: Path):
+    """The JSON object in `path` when it is megalign's (its "format" says so), else None."""
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
+        raw = json.loads(path.read_text()) if _is_plain_file(path) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    return raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None
 
 
 def _claim(staging: Path) -> None:
@@ -128,7 +186,7 @@ def _land(staging: Path, out: Path, overwrite: bool) -> None:
             raise UserError(f"--out {out} was filled by something else during the run; this run's dump is "
                             f"left in {staging}")
         check_replaceable(out)
-        old = out.with_name(f".{out.name}.megalign-replaced-{os.getpid()}")
+        old = aside_dir(out)
         os.replace(out, old)
     os.replace(staging, out)
     if old is not None:
