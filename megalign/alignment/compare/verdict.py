@@ -267,9 +267,7 @@ class _Comparison:
             return row
         if _is_routing_choice(pair.kind, x, y):
             return _routing_row(row, x, y)
-        if x.dtype != y.dtype:
-            row.dtype_mismatch = True
-            row.notes.append(f"dtype {x.dtype} vs {y.dtype}, compared in float64")
+        row.dtype_mismatch = x.dtype != y.dtype  # compared in float64 all the same; said once, above the table
         precision_a, precision_b = precision_of(self.a.precision, x.dtype), precision_of(self.b.precision, y.dtype)
         precision = precision_of(precision_a, precision_b)
         row.threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision)
