@@ -16,9 +16,9 @@ from typing import NoReturn, Optional, Sequence, Union
 
 import typer
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
-from rich.cells import cell_len
 from rich.table import Table
 
 console = Console()
@@ -102,16 +102,15 @@ def _fit(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], width: int,
     for header, step in narrowing:
         kept = [w for w in widths if w is not None]
         excess = sum(kept) + GAP * (len(kept) - 1) - width
-        i = headers.index(header)
         if excess <= 0:
             break
-        if widths[i] is None:
-            continue
-        if step == DROP:
+        i = headers.index(header)
+        if widths[i] is None or step == DROP:
             widths[i] = None
-        else:
-            least = _narrowest(columns[i], texts[i]) if step == FOLD else max(step, _narrowest(columns[i], texts[i]))
-            widths[i] = min(widths[i], max(least, widths[i] - excess))
+            continue
+        least = _narrowest(columns[i], texts[i])
+        least = least if step == FOLD else max(step, least)
+        widths[i] = min(widths[i], max(least, widths[i] - excess))
     return widths
 
 
