@@ -4,8 +4,10 @@ Runs the same tokens through transformers and megatron-core under several layout
 and fp64 (the reference), compares each run with transformers' run of the same precision and with
 the fp64 reference, and prints, per kind of tensor, the largest relative difference seen: between
 the two runs (what the default thresholds must allow) and from each run to the reference (what the
---reference rounding budgets must allow). The thresholds in compare/thresholds.py and
-compare/reference.py are set from this table with a margin; README "Verdicts on a real model"
+--reference rounding budgets must allow), and the largest deviation of the norm ratio B/A from 1
+(and of the sum ratio where scale.py compares sums), alone and times sqrt(elements): what the scale
+check's FLOOR and SPREAD must allow. The thresholds in compare/thresholds.py, compare/reference.py
+and compare/scale.py are set from this table with a margin; README "Verdicts on a real model"
 quotes it.
 
     python bench/calibrate.py [--out DIR] [--mode backward|forward]
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -23,6 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from real_checkpoint import build  # noqa: E402
+
+from megalign.alignment.compare.scale import deviation, ratios  # noqa: E402
 
 MEGALIGN = [sys.executable, "-m", "megalign"]
 SEQ_LEN = "36"  # a multiple of 2*CP for CP=2; TP=3 divides the model's 9 heads and 3 groups
@@ -48,17 +53,19 @@ def run(name: str, mode: str, checkpoint: Path, out: Path) -> None:
 
 
 def worst(report: Path) -> dict:
-    """kind -> (max rel A-B, max rel A-R, max rel B-R)."""
-    found: dict = collections.defaultdict(lambda: [0.0, 0.0, 0.0])
+    """kind -> max of (rel A-B, rel A-R, rel B-R, norm-ratio deviation, that times sqrt(n), sum-ratio deviation)."""
+    found: dict = collections.defaultdict(lambda: [0.0] * 6)
     for line in report.read_text().splitlines()[:-1]:
         row = json.loads(line)
-        if not row["metrics"] or row["metrics"]["rel_diff"] is None:
+        m = row["metrics"]
+        if not m or m["rel_diff"] is None:
             continue
-        values = found[row["kind"]]
-        values[0] = max(values[0], row["metrics"]["rel_diff"])
-        if row.get("reference"):
-            values[1] = max(values[1], row["reference"]["rel_a"] or 0.0)
-            values[2] = max(values[2], row["reference"]["rel_b"] or 0.0)
+        n = math.prod(row["shape_a"])
+        norm_ratio, sum_ratio = ratios(n, (m["norm_a"], m["norm_b"]), (m["sum_a"], m["sum_b"]))
+        reference = row.get("reference") or {}
+        seen = (m["rel_diff"], reference.get("rel_a") or 0.0, reference.get("rel_b") or 0.0, deviation(norm_ratio),
+                deviation(norm_ratio) * math.sqrt(n), deviation(sum_ratio) if sum_ratio is not None else 0.0)
+        found[row["kind"]] = [max(pair) for pair in zip(found[row["kind"]], seen)]
     return found
 
 
@@ -72,14 +79,15 @@ def main() -> None:
         out = args.out or Path(scratch)
         for name in RUNS:
             run(name, args.mode, checkpoint, out)
-        print(f"\n{'A vs B':34s} {'kind':16s} {'rel A-B':>9s} {'rel A-R':>9s} {'rel B-R':>9s}")
+        print(f"\n{'A vs B':34s} {'kind':16s} {'rel A-B':>9s} {'rel A-R':>9s} {'rel B-R':>9s} {'norm dev':>9s} "
+              f"{'dev·√n':>9s} {'sum dev':>9s}")
         for a, b in PAIRS:
             report = out / f"{a}--{b}.jsonl"
             subprocess.run(MEGALIGN + ["compare", str(out / a), str(out / b), "--reference", str(out / "hf-fp64"),
                                        "--json", str(report)], stdout=subprocess.DEVNULL)
-            for kind, (ab, ar, br) in sorted(worst(report).items()):
+            for kind, figures in sorted(worst(report).items()):
                 if kind != "input":
-                    print(f"{a + ' vs ' + b:34s} {kind:16s} {ab:9.2g} {ar:9.2g} {br:9.2g}")
+                    print(f"{a + ' vs ' + b:34s} {kind:16s} " + " ".join(f"{x:9.2g}" for x in figures))
 
 
 if __name__ == "__main__":

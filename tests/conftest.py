@@ -6,19 +6,23 @@ made once, keyed by its command line.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from megalign.alignment.compare.sources import open_source
+from megalign.alignment.dump.format import MANIFEST
 from megalign.cli.app import app
 
 
-def invoke(*args: str):
-    """Run `megalign ARGS` in-process through Typer, as a user would type it."""
-    return CliRunner().invoke(app, [str(a) for a in args])
+def invoke(*args: str, env: Optional[dict[str, str]] = None):
+    """Run `megalign ARGS` in-process through Typer, as a user would type it (with `env` set, e.g. COLUMNS)."""
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +52,22 @@ def max_abs_diffs(a: Path, b: Path, kinds=None) -> dict[tuple[str, str], float]:
     ta, tb = tensors(a), tensors(b)
     common = [k for k in ta if k in tb and (kinds is None or k[0] in kinds)]
     return {k: (ta[k].double() - tb[k].double()).abs().max().item() for k in common}
+
+
+def rescale(dump_dir: Path, kind: str, factor: float) -> None:
+    """Multiply every tensor of `kind` by `factor` in every rank's files (or --stats-only records), as
+    a loss normalised over another count of tokens does; each value is rounded to its own dtype."""
+    for path in dump_dir.glob("rank-*/" + MANIFEST):
+        manifest = json.loads(path.read_text())
+        records = [r for r in manifest["tensors"] if r["kind"] == kind]
+        for r in records:
+            if r["stats"] is not None:
+                r["stats"].update({k: r["stats"][k] * factor for k in ("sum", "abs_sum", "min", "max")},
+                                  sum_sq=r["stats"]["sum_sq"] * factor ** 2)
+        path.write_text(json.dumps(manifest))
+        for name in {r["file"] for r in records if r["file"]}:
+            tensors = load_file(str(path.parent / name))
+            for r in records:
+                if r["file"] == name:
+                    tensors[r["key"]] = (tensors[r["key"]].double() * factor).to(tensors[r["key"]].dtype)
+            save_file(tensors, str(path.parent / name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,8 @@ from megalign.alignment.compare.thresholds import Thresholds
 from megalign.alignment.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                                 SKIPPED, Report, Row, compare_sources)
 from megalign.alignment.errors import UserError
-from megalign.cli.render import (Cell, Column, console, fail, print_table, reader_may_leave, resolve_format,
+from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural, print_table, reader_may_leave,
+                                 resolve_format,
                                  use_color)
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
@@ -113,9 +115,10 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
             if source is not None:
                 console.print(f"[bold]{side}[/] {escape(str(path))}: {escape(source.description)}"
                               + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
+        _print_dtypes(report)
         console.print()
         print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
-                    resolve_format(judging.fmt), highlight=report.first_divergence)
+                    resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
         console.print()
         _print_summary(report, judging.allow_skipped)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
@@ -140,7 +143,13 @@ def _write_report(path: Path, write) -> None:
 # Mean abs diff, cosine and the rest are in the --json report.
 COLUMNS = (Column("#", right=True), Column("kind"), Column("name", wraps=True), Column("shape"),
            Column("rel diff", right=True), Column("max abs diff @ index", right=True), Column("thr", right=True),
-           Column("status"), Column("note", wraps=True))
+           Column("status"), Column("note", wraps=True, footnote=True))
+# In a terminal too narrow for the table, the least useful give way first: the note folds, then goes
+# under the table; the threshold goes (the kind's default, README); long names fold to 40 characters
+# (a few rows on two lines, before every row's index is); the index, the status and the shape fold;
+# last the names fold further.
+NARROWING = (("note", FOLD), ("note", DROP), ("thr", DROP), ("name", 40), ("max abs diff @ index", FOLD),
+             ("status", FOLD), ("shape", FOLD), ("name", FOLD))
 
 _KIND_LABEL = {"activation": "act", "activation_grad": "act_grad"}
 
@@ -191,6 +200,14 @@ def _notes(row: Row) -> list[str]:
 
 def _num(value: Optional[float]) -> str:
     return "" if value is None else f"{value:.3g}"
+
+
+def _print_dtypes(report: Report) -> None:
+    """Tensors stored in other dtypes on each side: said once, not on each of their rows."""
+    pairs = collections.Counter((row.dtype_a, row.dtype_b) for row in report.rows if row.dtype_mismatch)
+    for (dtype_a, dtype_b), count in pairs.items():
+        console.print(f"dtype A {dtype_a} vs B {dtype_b} ({plural(count, 'tensor')}), compared in float64",
+                      highlight=False, soft_wrap=True)
 
 
 def _print_summary(report: Report, allow_skipped: Optional[str]) -> None:

@@ -2,7 +2,10 @@
 
 A table is drawn with rich in a terminal; in a pipe, a file or a CI log (or with --no-color /
 NO_COLOR) it is plain text aligned to its content, and `markdown` gives a GitHub table for a CI
-comment. Cells are never cut: a narrow terminal wraps the long ones.
+comment. Cells are never cut. A terminal too narrow for the whole table takes the caller's steps,
+in order, until it fits (`_fit`): a column folds onto more lines (between words, so that a number is
+never split; a `wraps` column anywhere, down to FOLD_MIN characters), or is left out (a `footnote`
+column's cells are then printed under the table).
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator, NoReturn, Optional, Sequence
+from typing import Iterator, NoReturn, Optional, Sequence, Union
 
 import typer
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -28,6 +32,11 @@ console = _Console()
 err_console = Console(stderr=True)
 
 FORMATS = ("auto", "table", "plain", "markdown")
+FOLD_MIN = 20  # the narrowest a `wraps` column folds to: a long name stays readable, a few lines tall
+GAP = 2  # characters between two columns of the terminal table, as in plain text
+# A step that narrows a terminal table: (column header, DROP, FOLD or a width to fold down to at most).
+DROP, FOLD = "drop", "fold"
+Step = tuple[str, Union[str, int]]
 
 
 def fail(message: str, code: int) -> NoReturn:
@@ -80,7 +89,8 @@ def resolve_format(fmt: str) -> str:
 class Column:
     header: str
     right: bool = False  # numbers align right
-    wraps: bool = False  # a long cell may fold onto more lines in a narrow terminal
+    wraps: bool = False  # may fold anywhere (a long name), not only between words
+    footnote: bool = False  # when left out of a narrow terminal's table, its cells are printed under it
 
 
 @dataclass(frozen=True)
@@ -90,25 +100,68 @@ class Cell:
 
 
 def print_table(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], fmt: str,
-                highlight: Optional[int] = None) -> None:
-    """Print `rows` as `fmt` (table, plain or markdown); `highlight` is the index of a row to mark."""
+                highlight: Optional[int] = None, narrowing: Sequence[Step] = ()) -> None:
+    """Print `rows` as `fmt` (table, plain or markdown); `highlight` is the index of a row to mark;
+    `narrowing`: the steps a terminal table takes, in order, while it is too wide."""
     if fmt == "table":
-        console.print(_rich_table(columns, rows, highlight))
+        widths = _fit(columns, rows, console.width, narrowing)
+        console.print(_rich_table(columns, rows, widths, highlight))
+        _footnotes(columns, rows, widths)
     elif fmt == "markdown":
         print(_markdown(columns, rows))
     else:
         print(_plain(columns, rows))
 
 
-def _rich_table(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], highlight: Optional[int]) -> Table:
-    table = Table(header_style="bold", pad_edge=False, box=box.SIMPLE_HEAD)
-    for column in columns:
-        table.add_column(column.header, justify="right" if column.right else "left", overflow="fold",
-                         no_wrap=not column.wraps)
+def _fit(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], width: int,
+         narrowing: Sequence[Step]) -> list[Optional[int]]:
+    """Each column's width in a terminal `width` wide, None where it is left out: the whole cells
+    where they fit, else after as many of the `narrowing` steps as it takes."""
+    texts = [[column.header] + [row[i].text for row in rows] for i, column in enumerate(columns)]
+    widths: list[Optional[int]] = [max(map(cell_len, t)) for t in texts]
+    headers = [column.header for column in columns]
+    for header, step in narrowing:
+        kept = [w for w in widths if w is not None]
+        excess = sum(kept) + GAP * (len(kept) - 1) - width
+        if excess <= 0:
+            break
+        i = headers.index(header)
+        if widths[i] is None or step == DROP:
+            widths[i] = None
+            continue
+        least = _narrowest(columns[i], texts[i])
+        least = least if step == FOLD else max(step, least)
+        widths[i] = min(widths[i], max(least, widths[i] - excess))
+    return widths
+
+
+def _narrowest(column: Column, texts: list[str]) -> int:
+    """How narrow a column folds: its longest word, which is never split; a `wraps` column FOLD_MIN."""
+    longest = max(cell_len(word) for text in texts for word in text.split(" "))
+    return min(longest, FOLD_MIN) if column.wraps else longest
+
+
+def _rich_table(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], widths: Sequence[Optional[int]],
+                highlight: Optional[int]) -> Table:
+    table = Table(header_style="bold", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, GAP - 1, 0, 0))
+    kept = [i for i, w in enumerate(widths) if w is not None]
+    for i in kept:
+        table.add_column(columns[i].header, justify="right" if columns[i].right else "left", overflow="fold",
+                         width=widths[i])
     for index, row in enumerate(rows):
-        cells = [f"[{c.style}]{escape(c.text)}[/]" if c.style else escape(c.text) for c in row]
+        cells = [f"[{c.style}]{escape(c.text)}[/]" if c.style else escape(c.text) for c in (row[i] for i in kept)]
         table.add_row(*cells, style="on grey23" if index == highlight else None)
     return table
+
+
+def _footnotes(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], widths: Sequence[Optional[int]]) -> None:
+    """The cells of the footnote columns left out, under the table, each after its row's first cell."""
+    for i, column in enumerate(columns):
+        cells = [(row[0].text, row[i].text) for row in rows if row[i].text]
+        if column.footnote and widths[i] is None and cells:
+            console.print(f"{column.header}s (no room in the table):", highlight=False)
+            for label, text in cells:
+                console.print(f"  {escape(label)}: {escape(text)}", highlight=False)
 
 
 def _plain(columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> str:

@@ -9,10 +9,12 @@ Every run is made once per session (conftest's `dump`).
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import invoke, max_abs_diffs
+from conftest import invoke, max_abs_diffs, rescale
 from planted import swap_query_and_key_head, with_config
 from real_checkpoint import build
 
@@ -80,6 +82,27 @@ def test_hf_vs_megatron_tp3_backward_agrees(run, tmp_path, reference):
     assert noisy["metrics"]["rel_diff"] > 1e-8, noisy
     if reference:
         assert noisy["reference"]["rel_a"] > 1e-8 and noisy["reference"]["off"] is None
+
+
+@pytest.mark.parametrize("dtype, factor, least", [((), 1.001, 900), (("--dtype", "bf16"), 1.5, 1000)],
+                         ids=["fp32", "bf16"])
+def test_rescaled_gradients_fail_where_rounding_passes(run, tmp_path, dtype, factor, least):
+    """The scale check's calibration pair (compare/scale.py): transformers against megatron-core at TP=3,
+    whose bf16 gradients differ by up to 7.7% in norm from rounding alone. Times `factor`, every gradient
+    of at least `least` elements fails, most with a relative difference the threshold alone would pass."""
+    hf, tp3 = run("backward", "--stack", "hf", *dtype), run("backward", "--tp", "3", *dtype)
+    result, rows, _ = compare(tmp_path, hf, tp3, "--filter", r"\.weight$")
+    assert result.exit_code == 0, result.output
+    assert len(rows) == 2 + 30 * 6 and all(r["scale"] and not r["scale"]["off"] for r in rows)
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tp3, scaled)
+    rescale(scaled, "param_grad", factor)
+    result, rows, _ = compare(tmp_path, hf, scaled, "--filter", r"\.weight$")
+    assert result.exit_code == 1, result.output
+    big = [r for r in rows if math.prod(r["shape_a"]) >= least]
+    assert len(big) == 1 + 30 * 4, [r["name"] for r in big]
+    assert all(r["status"] == "fail" and r["scale"]["off"] for r in big)
+    assert sum(r["metrics"]["rel_diff"] < r["threshold"] for r in big) > len(big) / 2
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])

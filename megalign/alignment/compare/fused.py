@@ -39,6 +39,8 @@ class Sums:
     inf_a: int = 0
     inf_b: int = 0
     nonfinite_diff: int = 0  # positions where NaN/Inf differ: one side only, or +Inf against -Inf
+    sx: float = 0.0  # sum of x, and of y: the scale check compares them (scale.py)
+    sy: float = 0.0
 
     @property
     def finite(self) -> bool:
@@ -47,7 +49,7 @@ class Sums:
     def add(self, other: "Sums", offset: int) -> None:
         """Merge the sums of the next range, which starts at position `offset`."""
         for name in ("xx", "yy", "dd", "abs_diff", "finite_pairs", "nan_a", "nan_b", "inf_a", "inf_b",
-                     "nonfinite_diff"):
+                     "nonfinite_diff", "sx", "sy"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         if other.max_abs > self.max_abs:  # strictly: the first position of the maximum is kept
             self.max_abs, self.max_index = other.max_abs, offset + other.max_index
@@ -59,10 +61,10 @@ _JIT = dict(nogil=True, cache=True, error_model="numpy")
 @numba.njit(fastmath={"reassoc"}, **_JIT)
 def _fast(x, y):  # pragma: no cover - compiled
     n = x.size
-    xx = yy = dd = abs_diff = 0.0
+    xx = yy = dd = abs_diff = sx = sy = 0.0
     best, best_block = -1.0, -1
     for start in range(0, n, BLOCK):
-        bxx = byy = bdd = babs = bmax = 0.0
+        bxx = byy = bdd = babs = bmax = bsx = bsy = 0.0
         for i in range(start, min(start + BLOCK, n)):
             a, b = np.float64(x[i]), np.float64(y[i])
             d = a - b
@@ -72,10 +74,14 @@ def _fast(x, y):  # pragma: no cover - compiled
             e = abs(d)
             babs += e
             bmax = max(bmax, e)
+            bsx += a
+            bsy += b
         xx += bxx
         yy += byy
         dd += bdd
         abs_diff += babs
+        sx += bsx
+        sy += bsy
         if bmax > best:
             best, best_block = bmax, start
     index = -1
@@ -84,12 +90,12 @@ def _fast(x, y):  # pragma: no cover - compiled
             if abs(np.float64(x[i]) - np.float64(y[i])) == best:
                 index = i
                 break
-    return xx, yy, dd, abs_diff, best, index
+    return xx, yy, dd, abs_diff, best, index, sx, sy
 
 
 @numba.njit(**_JIT)
 def _careful(x, y):  # pragma: no cover - compiled
-    xx = yy = dd = abs_diff = 0.0
+    xx = yy = dd = abs_diff = sx = sy = 0.0
     best, index = -1.0, -1
     finite = nan_a = nan_b = inf_a = inf_b = nonfinite_diff = 0
     for i in range(x.size):
@@ -102,6 +108,8 @@ def _careful(x, y):  # pragma: no cover - compiled
             dd += d * d
             e = abs(d)
             abs_diff += e
+            sx += a
+            sy += b
             if e > best:
                 best, index = e, i
             continue
@@ -111,13 +119,13 @@ def _careful(x, y):  # pragma: no cover - compiled
         inf_a += ia
         inf_b += ib
         nonfinite_diff += (na != nb) or (ia != ib) or (ia and ib and a != b)
-    return xx, yy, dd, abs_diff, best, index, finite, nan_a, nan_b, inf_a, inf_b, nonfinite_diff
+    return xx, yy, dd, abs_diff, best, index, finite, nan_a, nan_b, inf_a, inf_b, nonfinite_diff, sx, sy
 
 
 def sums(x: np.ndarray, y: np.ndarray) -> Sums:
     """x, y: flat float32 or float64 arrays of one length."""
-    xx, yy, dd, abs_diff, best, index = _fast(x, y)
-    fast = Sums(xx, yy, dd, abs_diff, best, index, finite_pairs=x.size)
+    xx, yy, dd, abs_diff, best, index, sx, sy = _fast(x, y)
+    fast = Sums(xx, yy, dd, abs_diff, best, index, finite_pairs=x.size, sx=sx, sy=sy)
     if fast.finite:
         return fast
     return Sums(*_careful(x, y))

@@ -46,6 +46,10 @@ class TensorMetrics(_Agreement):
     max_abs_index: Optional[list[int]]
     mean_abs_diff: float
     cosine: float
+    norm_a: float  # the 2-norms and the sums of each side: the scale check's figures (scale.py)
+    norm_b: float
+    sum_a: float
+    sum_b: float
     nonfinite_diff: int = 0
 
     @property
@@ -141,7 +145,8 @@ def metrics_of(total: fused.Sums, shape: list[int]) -> TensorMetrics:
     return TensorMetrics(rel_diff=rel_diff_of_sums(dd, xx + yy), max_abs_diff=max(total.max_abs, 0.0),
                          max_abs_index=unravel(total.max_index, shape) if found else None,
                          mean_abs_diff=total.abs_diff / total.finite_pairs if total.finite_pairs else 0.0,
-                         cosine=cosine, nan_a=total.nan_a, nan_b=total.nan_b, inf_a=total.inf_a, inf_b=total.inf_b,
+                         cosine=cosine, norm_a=math.sqrt(xx), norm_b=math.sqrt(yy), sum_a=total.sx,
+                         sum_b=total.sy, nan_a=total.nan_a, nan_b=total.nan_b, inf_a=total.inf_a, inf_b=total.inf_b,
                          nonfinite_diff=total.nonfinite_diff)
 
 

@@ -4,8 +4,10 @@
      "status": "pass", "threshold": 1e-08, "shape_a": [...], "shape_b": [...], "dtype_a": "float32",
      "dtype_b": "float32", "dtype_mismatch": false, "first_divergence": false,
      "metrics": {"mode": "values", "rel_diff": ..., "max_abs_diff": ..., "max_abs_index": [...],
-                 "mean_abs_diff": ..., "cosine": ..., "nan_a": 0, "nan_b": 0, "inf_a": 0, "inf_b": 0},
-     "logprobs": null, "replica_diff_a": null, "replica_diff_b": null, "notes": []}
+                 "mean_abs_diff": ..., "cosine": ..., "norm_a": ..., "norm_b": ...,
+                 "sum_a": ..., "sum_b": ..., "nan_a": 0, "nan_b": 0, "inf_a": 0, "inf_b": 0},
+     "logprobs": null, "replica_diff_a": null, "replica_diff_b": null, "reference": null,
+     "scale": {"norm_ratio": 1.0, "sum_ratio": null, "tolerance": 1e-05, "off": false}, "notes": []}
     {"record": "summary", "a": {...}, "b": {...}, "compared": ..., "passed": ..., ..., "ok": true}
 
 Non-finite floats are written as null, so that every line is strict JSON.

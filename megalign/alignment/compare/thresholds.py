@@ -72,6 +72,11 @@ class Thresholds:
             check_threshold("--threshold", threshold)
         return cls(override=threshold, patterns=patterns)
 
+    def overrides(self, name: str) -> bool:
+        """Whether --threshold or a --tolerance sets `name`'s threshold: what the user allowed it, the
+        relative difference alone judges (no scale check, scale.py)."""
+        return self.override is not None or any(pattern.search(name) for pattern, _ in self.patterns)
+
     def for_tensor(self, kind: str, name: str, precision: str) -> float:
         for pattern, value in reversed(self.patterns):
             if pattern.search(name):

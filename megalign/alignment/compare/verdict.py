@@ -26,6 +26,7 @@ from megalign.alignment.compare.metrics import (LogprobMetrics, RoutingMetrics, 
                                                 logprob_metrics, metrics_of, pair_sums, routing_metrics, stats_metrics,
                                                 tensor_metrics)
 from megalign.alignment.compare.reference import ReferenceVerdict, check_reference, judge
+from megalign.alignment.compare.scale import Scale, check_scale
 from megalign.alignment.compare.thresholds import Thresholds, precision_of
 from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.errors import UserError, compile_pattern
@@ -60,6 +61,7 @@ class Row:
     replica_diff_a: Optional[float] = None
     replica_diff_b: Optional[float] = None
     reference: Optional[ReferenceVerdict] = None  # with --reference: each side's distance to R, and which is off
+    scale: Optional[Scale] = None  # the norms' (and sums') ratio B/A, judged where a default threshold applies
     notes: list[str] = field(default_factory=list)
 
 
@@ -265,11 +267,10 @@ class _Comparison:
             return row
         if _is_routing_choice(pair.kind, x, y):
             return _routing_row(row, x, y)
-        if x.dtype != y.dtype:
-            row.dtype_mismatch = True
-            row.notes.append(f"dtype {x.dtype} vs {y.dtype}, compared in float64")
+        row.dtype_mismatch = x.dtype != y.dtype  # compared in float64 all the same; said once, above the table
         precision_a, precision_b = precision_of(self.a.precision, x.dtype), precision_of(self.b.precision, y.dtype)
-        row.threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision_of(precision_a, precision_b))
+        precision = precision_of(precision_a, precision_b)
+        row.threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision)
         row.metrics = metrics or _metrics(x, y)
         if pair.kind == "logprobs" and x.tensor is not None and y.tensor is not None:
             row.logprobs = logprob_metrics(x.tensor, y.tensor, self.tokens, self.loss_mask)
@@ -286,6 +287,11 @@ class _Comparison:
                                       tensor_metrics(y.tensor, truth.tensor).rel_diff, precision_a, precision_b)
                 diverged = row.reference.off is not None
                 row.threshold = None  # the reference judged this row, not a threshold
+        if row.reference is None and not self.thresholds.overrides(pair.name):
+            row.scale = check_scale(precision, math.prod(x.shape), m)
+        if row.scale is not None and row.scale.off:
+            diverged = True
+            row.notes.append(row.scale.note())
         replicas_nonfinite = any(v.replica_diff is not None and not math.isfinite(v.replica_diff) for v in (x, y))
         row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_nonfinite else PASS
         return row

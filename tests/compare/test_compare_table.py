@@ -1,0 +1,71 @@
+"""The terminal table (`--format table`) at 80, 120 and 200 columns: never a number cut, never a name
+lost, the least useful columns giving way first, and the dtypes said once above the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from compare_fixtures import CP1, copy_dump
+from conftest import invoke, rescale
+from rich.cells import cell_len
+
+
+@pytest.fixture(scope="module")
+def report(dump, tmp_path_factory):
+    """fp32 against bf16 gradients times 1.5: long names, failures with notes, other dtypes."""
+    scaled = copy_dump(dump("backward", "--dtype", "bf16"), tmp_path_factory.mktemp("table") / "scaled")
+    rescale(scaled, "param_grad", 1.5)
+    return dump(*CP1), scaled
+
+
+def table(report, width: int, tmp_path):
+    out = tmp_path / "r.jsonl"
+    result = invoke("compare", *report, "--format", "table", "--json", out, env={"COLUMNS": str(width)})
+    assert result.exit_code == 1, result.output
+    return result.output, [json.loads(line) for line in out.read_text().splitlines()[:-1]]
+
+
+def columns(output: str) -> tuple[list[str], str, list[str]]:
+    """The table's lines (notes under it included), its header line of column names, its body lines."""
+    lines = output.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line.startswith("─"))
+    start, end = lines.index("") + 1, lines.index("", rule)
+    notes = next((i for i in range(rule, end) if lines[i].startswith("notes (")), end)
+    return lines[start:end], lines[rule - 1], lines[rule + 1:notes]
+
+
+def names(header: str, body: list[str]) -> list[str]:
+    """Each row's name, its folded pieces joined: a row starts where the # column has a number."""
+    start, end, first = header.index("name"), header.index("shape"), header.index("kind")
+    rows: list[str] = []
+    for line in body:
+        piece = line[start:end].strip()
+        if line[:first].strip():
+            rows.append(piece)
+        else:
+            rows[-1] += piece
+    return rows
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_the_table_fits_the_terminal_and_cuts_nothing(report, width, tmp_path):
+    output, rows = table(report, width, tmp_path)
+    lines, header, body = columns(output)
+    assert max(map(cell_len, lines)) <= width  # the source lines above it are the terminal's to wrap
+    assert names(header, body) == [r["name"] for r in rows]
+    words = set(" ".join(body).split())
+    for r in rows:
+        m = r["metrics"]
+        assert _shape_text(r) in words and f"{m['rel_diff']:.3g}" in words and f"{m['max_abs_diff']:.3g}" in words
+    assert output.count("compared in float64") == 1
+    # What gives way, least useful first: the note goes under the table, then the threshold column.
+    notes = [f"{r['order']}: {note}" for r in rows for note in r["notes"]]
+    assert notes and all(("rescaled" in note) for note in notes)
+    assert ("note" in header.split()) == ("thr" in header.split()) == (width == 200)
+    if width < 200:
+        assert all(note in output for note in notes)
+
+
+def _shape_text(row: dict) -> str:
+    return "x".join(map(str, row["shape_a"])) if row["shape_a"] else "scalar"
