@@ -26,13 +26,18 @@ REASONS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern), reason
 def reason(kind: Optional[str], name: str, other_kinds: set[Optional[str]]) -> Optional[str]:
     """The note of a tensor on one side only. `other_kinds`: the kinds the other side holds at all
     (None: a plain tensor file, which does not say)."""
-    if kind is not None and None not in other_kinds and kind not in other_kinds:
+    expected = op_map(kind, name, other_kinds)
+    if expected is None and kind is not None and None not in other_kinds and kind not in other_kinds:
         return f"the other side has no {kind} tensors at all"
-    return op_map(name)
+    return expected
 
 
-def op_map(name: str) -> Optional[str]:
-    """Why the op map expects a tensor of this name on one side only, if it does."""
+def op_map(kind: Optional[str], name: str, other_kinds: set[Optional[str]]) -> Optional[str]:
+    """Why the op map expects this tensor on one side only, if it does."""
+    if kind == "activation_grad" and "activation_grad" not in other_kinds and "param_grad" in other_kinds:
+        # A backward (it has parameter gradients) without activation gradients: transformers' stack,
+        # which hooks no module's backward. A forward dump has neither: its missing gradients fail.
+        return "the other side's stack dumps no activation gradients (transformers)"
     for pattern, text in REASONS:
         if pattern.search(name):
             return text

@@ -218,9 +218,10 @@ class _Comparison:
         row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
         if pair.a is None or pair.b is None:
             entry = pair.a or pair.b
-            why = absent.reason(entry.kind, pair.name, self.kinds_b if pair.b is None else self.kinds_a)
+            other_kinds = self.kinds_b if pair.b is None else self.kinds_a
+            why = absent.reason(entry.kind, pair.name, other_kinds)
             row.notes += [why] if why else []
-            if absent.op_map(pair.name):
+            if absent.op_map(entry.kind, pair.name, other_kinds):
                 row.allowed = BY_OP_MAP
             elif self.missable is not None and self.missable.search(pair.name):
                 row.allowed = BY_PATTERN
