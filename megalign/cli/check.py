@@ -22,8 +22,8 @@ import typer
 from typer.exceptions import TyperException
 
 from megalign.alignment.errors import UserError
-from megalign.cli.compare import (AllowSkipped, Filter, Format, JsonOut, Judging, NoColor, Plot, Threshold, Tolerance,
-                                  Workers, check_judging, run_compare)
+from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, NoColor, Plot,
+                                  StrictNonfinite, Threshold, Tolerance, Workers, check_judging, run_compare)
 from megalign.cli.render import console, fail, use_color
 
 RUNS_HELP = ("Run options for {side} only, in one quoted string, e.g. \"--stack hf\" or \"--cp 2 --tp 2\". "
@@ -47,6 +47,9 @@ def check(
     threshold: Threshold = None,
     tolerance: Tolerance = [],
     allow_skipped: AllowSkipped = None,
+    allow_missing: AllowMissing = None,
+    # Strict here: a run of check's own making with NaN/Inf on both sides is a broken run, not agreement.
+    strict_nonfinite: StrictNonfinite = True,
     json_out: JsonOut = None,
     plot: Plot = None,
     workers: Workers = None,
@@ -57,7 +60,8 @@ def check(
     they diverge or a run crashed, 2 for bad input."""
     use_color(no_color)
     judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
-                      json_out=json_out, plot=plot, workers=workers, fmt=fmt)
+                      allow_missing=allow_missing, strict_nonfinite=strict_nonfinite, json_out=json_out, plot=plot,
+                      workers=workers, fmt=fmt)
     runs = {"baseline": ("--baseline", baseline), "target": ("--target", target)}
     if reference:
         runs["reference"] = ("--baseline", f"{baseline} --dtype fp64")

@@ -39,6 +39,14 @@ Tolerance = Annotated[list[str], typer.Option(
 AllowSkipped = Annotated[Optional[str], typer.Option(
     "--allow-skipped", metavar="REGEX", help="Tensors matching REGEX that cannot be reassembled are skipped (and "
                                              "named in the summary) instead of failing. Default: none.")]
+AllowMissing = Annotated[Optional[str], typer.Option(
+    "--allow-missing", metavar="REGEX", help="Tensors matching REGEX that only one side holds are listed (and counted "
+                                             "in the summary) instead of failing. Default: only those the op map "
+                                             "between stacks and attention kernels expects on one side.")]
+StrictNonfinite = Annotated[bool, typer.Option(
+    "--strict-nonfinite/--no-strict-nonfinite",
+    help="Fail tensors with NaN/Inf on both sides, even at the same positions. Default: a warning in the summary "
+         "(check: strict).")]
 JsonOut = Annotated[Optional[Path], typer.Option(
     "--json", metavar="FILE", help="Also write the report as JSON lines to FILE. Default: none.")]
 Plot = Annotated[Optional[Path], typer.Option(
@@ -61,6 +69,8 @@ class Judging:
     threshold: Optional[float] = None
     tolerance: list[str] = field(default_factory=list)
     allow_skipped: Optional[str] = None
+    allow_missing: Optional[str] = None
+    strict_nonfinite: bool = False
     json_out: Optional[Path] = None
     plot: Optional[Path] = None
     workers: Optional[int] = None
@@ -81,16 +91,20 @@ def compare(
                                                   "exceeds its precision's rounding budget, and the row says which "
                                                   "side (A, B or both). Default: per-kind thresholds on A vs B."),
     allow_skipped: AllowSkipped = None,
+    allow_missing: AllowMissing = None,
+    strict_nonfinite: StrictNonfinite = False,
     json_out: JsonOut = None,
     plot: Plot = None,
     workers: Workers = None,
     fmt: Format = "auto",
     no_color: NoColor = False,
 ) -> None:
-    """Compare two dumps tensor by tensor; exit 0 when all agree within threshold, 1 when any diverges, 2 for bad input."""
+    """Compare two dumps tensor by tensor; exit 0 when all agree within threshold, 1 when any diverges or is missing
+    on one side, 2 for bad input."""
     use_color(no_color)
     judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
-                      json_out=json_out, plot=plot, workers=workers, fmt=fmt)
+                      allow_missing=allow_missing, strict_nonfinite=strict_nonfinite, json_out=json_out, plot=plot,
+                      workers=workers, fmt=fmt)
     raise typer.Exit(run_compare(a, b, reference, judging))
 
 
@@ -107,7 +121,8 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
         source_a, source_b = open_source(a), open_source(b)
         source_r = open_source(reference) if reference else None
         report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
-                                 allow_skipped=judging.allow_skipped, reference=source_r)
+                                 allow_skipped=judging.allow_skipped, reference=source_r,
+                                 allow_missing=judging.allow_missing, strict_nonfinite=judging.strict_nonfinite)
     except UserError as e:
         fail(str(e), e.exit_code)
     with reader_may_leave():
@@ -120,7 +135,7 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
         print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
                     resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
         console.print()
-        _print_summary(report, judging.allow_skipped)
+        _print_summary(report, judging)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     if judging.json_out is not None:
         from megalign.alignment.compare.report import write_jsonl
@@ -210,21 +225,33 @@ def _print_dtypes(report: Report) -> None:
                       highlight=False, soft_wrap=True)
 
 
-def _print_summary(report: Report, allow_skipped: Optional[str]) -> None:
+def _print_summary(report: Report, judging: Judging) -> None:
     s = report.summary
     parts = [f"{s.compared} compared", f"[green]{s.passed} passed[/]",
              f"[{'bold red' if s.failed else 'green'}]{s.failed} failed[/]"]
     if s.shape_mismatch:
         parts.append(f"[bold red]{s.shape_mismatch} shape mismatch[/]")
-    parts.append(f"[yellow]{s.only_a + s.only_b} only in one side[/] (A {s.only_a}, B {s.only_b})")
+    if s.missing_a or s.missing_b:
+        parts.append(f"[bold red]{s.missing_a + s.missing_b} missing[/] (only in A {s.missing_a}, only in B "
+                     f"{s.missing_b})")
+    allowed = s.allowed_by_op_map + s.allowed_by_pattern
+    if allowed:
+        by = ([f"{s.allowed_by_op_map} by the cross-stack op map"] if s.allowed_by_op_map else []) + \
+             ([f"{s.allowed_by_pattern} by --allow-missing {escape(repr(judging.allow_missing))}"]
+              if s.allowed_by_pattern else [])
+        parts.append(f"[yellow]{allowed} only in one side allowed[/]: {' and '.join(by)}")
     if s.not_reassemblable:
         parts.append(f"[bold magenta]{s.not_reassemblable} not reassemblable[/]")
     if s.skipped:
         parts.append(f"[magenta]{s.skipped} skipped[/] (not reassemblable, allowed by --allow-skipped "
-                     f"{escape(repr(allow_skipped))})")
+                     f"{escape(repr(judging.allow_skipped))})")
     if s.apart:
         parts.append(f"[yellow]{s.apart} not lined up[/] (positions, not tokens, in differently packed batches)")
     console.print(", ".join(parts), highlight=False, soft_wrap=True)
+    if s.nonfinite_in_both:
+        verdict = "failed (--strict-nonfinite)" if judging.strict_nonfinite else "not failed"
+        console.print(f"[bold yellow]NaN/Inf in both:[/] {escape(', '.join(s.nonfinite_in_both))} ({verdict})",
+                      highlight=False, soft_wrap=True)
     if s.first_routing_flip:
         console.print(f"[bold red]routing flip:[/] {escape(s.first_routing_flip)}: the tensors after it see other "
                       "experts", highlight=False, soft_wrap=True)

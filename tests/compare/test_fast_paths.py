@@ -13,9 +13,9 @@ import torch
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2
 from safetensors.torch import load_file
 
-from megalign.alignment.compare import verdict
+from megalign.alignment.compare import fused, verdict
 from megalign.alignment.compare.buffers import SMALLEST, BufferPool
-from megalign.alignment.compare.metrics import tensor_metrics
+from megalign.alignment.compare.metrics import metrics_of, pair_sums, tensor_metrics
 from megalign.alignment.compare.sources import open_source
 from megalign.alignment.compare.thresholds import Thresholds
 from megalign.alignment.compare.verdict import compare_sources
@@ -55,6 +55,22 @@ def test_the_first_position_of_the_maximum_is_reported():
     y[[7, 20_000, 49_999]] = 2.0  # three ties, in different blocks
     assert tensor_metrics(x, y).max_abs_index == [7]
     assert tensor_metrics(x, x).max_abs_index == [0] and tensor_metrics(x, x).rel_diff == 0.0
+
+
+def test_windows_of_different_scales_add_up_to_the_whole():
+    """Sums scaled by their own range's magnitude (fused.py) merge to the whole's, in either order."""
+    x = torch.cat([torch.full((5,), 1e-170, dtype=torch.float64), torch.linspace(1, 2, 5, dtype=torch.float64)])
+    y = x.clone()
+    y[:5] *= -1  # a sign flip far below where squares underflow: negligible beside the second window
+    y[5:] += 1e-3
+    whole = tensor_metrics(x, y).rel_diff
+    for order in ((0, 5), (5, 0)):
+        total = fused.Sums()
+        for start in order:
+            total.add(pair_sums(x[start:start + 5], y[start:start + 5]), start)
+        assert math.isclose(metrics_of(total, [10]).rel_diff, whole, rel_tol=1e-12)
+    tiny = tensor_metrics(x[:5] * 1e-30, y[:5] * 1e-30)  # the tiny window alone: its flip is all there is
+    assert tiny.rel_diff == 2.0 and tiny.cosine == -1.0
 
 
 def test_nonfinite_values_are_counted_and_left_out_of_the_sums():

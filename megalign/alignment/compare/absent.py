@@ -1,7 +1,9 @@
 """Why a tensor is on one side only: the reason printed in its row.
 
-Stacks and attention kernels expose different submodules; these are the ones megalign knows. A
-tensor with no known reason is still reported (only_a / only_b), with no note.
+Stacks and attention kernels expose different submodules; REASONS (the op map between HF and
+megatron-core and their attention kernels) are the ones megalign knows, and a tensor they name may
+be on one side only. Any other tensor on one side only fails the comparison (verdict.py), unless
+--allow-missing names it; a whole kind missing on the other side is said in its note.
 """
 
 from __future__ import annotations
@@ -21,10 +23,21 @@ REASONS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern), reason
 ))
 
 
-def reason(kind: str, name: str, other_kinds: set[str]) -> Optional[str]:
-    """`other_kinds`: the kinds the other side holds at all."""
-    if kind not in other_kinds:
+def reason(kind: Optional[str], name: str, other_kinds: set[Optional[str]]) -> Optional[str]:
+    """The note of a tensor on one side only. `other_kinds`: the kinds the other side holds at all
+    (None: a plain tensor file, which does not say)."""
+    expected = op_map(kind, name, other_kinds)
+    if expected is None and kind is not None and None not in other_kinds and kind not in other_kinds:
         return f"the other side has no {kind} tensors at all"
+    return expected
+
+
+def op_map(kind: Optional[str], name: str, other_kinds: set[Optional[str]]) -> Optional[str]:
+    """Why the op map expects this tensor on one side only, if it does."""
+    if kind == "activation_grad" and "activation_grad" not in other_kinds and "param_grad" in other_kinds:
+        # A backward (it has parameter gradients) without activation gradients: transformers' stack,
+        # which hooks no module's backward. A forward dump has neither: its missing gradients fail.
+        return "the other side's stack dumps no activation gradients (transformers)"
     for pattern, text in REASONS:
         if pattern.search(name):
             return text

@@ -6,12 +6,13 @@ that neither imports the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from megalign.alignment.compare.fused import Sums
 from megalign.alignment.dump.reader import Dump
 from megalign.alignment.dump.sharding import BatchRow
 from megalign.alignment.dump.stats import TensorStats
@@ -23,6 +24,16 @@ PHASES = {"input": 0, "activation": 0, "routing": 0, "logits": 0, "logprobs": 0,
 
 
 @dataclass
+class ReplicaGap:
+    """How far one rank's copy of values is from the copy placed (another rank's): the sums of the
+    pair (fused.py), judged by verdict.py at the tensor's threshold. Bit-identical copies (equal
+    content hashes) are never read and have no gap."""
+
+    ranks: str  # "rank 1 vs rank 0": the copy's rank, then the placed one's
+    sums: Sums
+
+
+@dataclass
 class Value:
     """A loaded tensor: its values, or only its statistics (--stats-only dumps), or why neither."""
 
@@ -30,8 +41,17 @@ class Value:
     dtype: str
     tensor: Optional[torch.Tensor] = None
     stats: Optional[TensorStats] = None
-    replica_diff: Optional[float] = None  # max abs disagreement between copies that should be equal
+    replicas: list[ReplicaGap] = field(default_factory=list)  # copies that should be equal and were read
     problem: Optional[str] = None  # set when the shards cannot be put back together
+
+    def add_replicas(self, window: "Value") -> None:
+        """Merge the replica gaps of a window of rows into the whole's (verdict._streamed)."""
+        mine = {gap.ranks: gap for gap in self.replicas}
+        for gap in window.replicas:
+            if gap.ranks in mine:
+                mine[gap.ranks].sums.add(gap.sums, 0)
+            else:
+                self.replicas.append(gap)
 
 
 @dataclass
@@ -64,6 +84,7 @@ class Source:
     entries: list[Entry]
     precision: Optional[str] = None  # the run's dtype where the format records it
     model: Optional[dict] = None  # the model's config where the format records it
+    weights: Optional[str] = None  # where the weights came from ("seed 1234", "a checkpoint") where recorded
     rows: Optional[list[BatchRow]] = None  # the batch's documents where the format records them
     dump: Optional[Dump] = None  # the megalign dump read (dump.json, manifests), for the Python API
 

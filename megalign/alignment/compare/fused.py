@@ -7,9 +7,12 @@ float64 before any arithmetic, so products of float32 values are exact and every
 float64. `reassoc` lets LLVM vectorize the sums (a different summation order, still float64);
 no other fast-math flag is set, so NaN and Inf propagate and are seen.
 
-`fast_sums` assumes finite values and is several times faster than `careful_sums`, which counts
-NaN/Inf and sums over positions finite on both sides; callers run the careful pass only when the
-fast one's sums come out non-finite.
+`_fast` assumes finite values of a moderate size and is several times faster than `_careful`,
+which counts NaN/Inf, sums over positions finite on both sides, and scales: its squares are summed
+times 2^(-2 exp), 2^exp being the largest finite |value| rounded up to a power of two (LAPACK
+dnrm2's idea; a power of two scales exactly). Unscaled, 1e-170 squared underflows to 0 (a sign
+flip at 1e-170 was no difference at all) and 1e200 squared overflows. `sums` runs the careful pass
+only when the fast one's sums come out non-finite or below SMALLEST, where squares may underflow.
 """
 
 from __future__ import annotations
@@ -21,15 +24,19 @@ import numba
 import numpy as np
 
 BLOCK = 4096  # elements whose maximum is taken before the running one: the argmax is looked up once
+# Fast sums of squares at least this large have their largest terms, and any difference down to
+# 1e-120 of them, in float64's normal range: no underflow to rescale for.
+SMALLEST = 2.0 ** -600
+NO_EXP = -(1 << 20)  # the scale exponent of sums over zeros only: any other range's scale wins
 
 
 @dataclass
 class Sums:
     """Sums over one range of positions; `add` merges ranges in order."""
 
-    xx: float = 0.0
+    xx: float = 0.0  # sum of x^2 * 2^(-2 exp)
     yy: float = 0.0
-    dd: float = 0.0  # sum of (x - y)^2
+    dd: float = 0.0  # sum of (x - y)^2 * 2^(-2 exp)
     abs_diff: float = 0.0  # sum of |x - y|
     max_abs: float = -1.0  # -1: no finite pair yet
     max_index: int = -1  # first position holding max_abs
@@ -41,6 +48,7 @@ class Sums:
     nonfinite_diff: int = 0  # positions where NaN/Inf differ: one side only, or +Inf against -Inf
     sx: float = 0.0  # sum of x, and of y: the scale check compares them (scale.py)
     sy: float = 0.0
+    exp: int = NO_EXP  # the squares' scale (the module's docstring): 0 unscaled, NO_EXP none yet
 
     @property
     def finite(self) -> bool:
@@ -48,9 +56,14 @@ class Sums:
 
     def add(self, other: "Sums", offset: int) -> None:
         """Merge the sums of the next range, which starts at position `offset`."""
-        for name in ("xx", "yy", "dd", "abs_diff", "finite_pairs", "nan_a", "nan_b", "inf_a", "inf_b",
-                     "nonfinite_diff", "sx", "sy"):
+        for name in ("abs_diff", "finite_pairs", "nan_a", "nan_b", "inf_a", "inf_b", "nonfinite_diff", "sx", "sy"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        # At the larger of the two scales: what underflows in the other range is negligible beside it.
+        exp = max(self.exp, other.exp)
+        mine, theirs = 2 * (self.exp - exp), 2 * (other.exp - exp)
+        for name in ("xx", "yy", "dd"):
+            setattr(self, name, math.ldexp(getattr(self, name), mine) + math.ldexp(getattr(other, name), theirs))
+        self.exp = exp
         if other.max_abs > self.max_abs:  # strictly: the first position of the maximum is kept
             self.max_abs, self.max_index = other.max_abs, offset + other.max_index
 
@@ -95,6 +108,13 @@ def _fast(x, y):  # pragma: no cover - compiled
 
 @numba.njit(**_JIT)
 def _careful(x, y):  # pragma: no cover - compiled
+    top = 0.0  # the scale first: one more pass, on the rare arrays that come here
+    for i in range(x.size):
+        a, b = np.float64(x[i]), np.float64(y[i])
+        if math.isfinite(a) and math.isfinite(b):
+            top = max(top, abs(a), abs(b))
+    exp = math.frexp(top)[1] if top > 0.0 else NO_EXP
+    inv = math.ldexp(1.0, -exp) if top > 0.0 else 1.0
     xx = yy = dd = abs_diff = sx = sy = 0.0
     best, index = -1.0, -1
     finite = nan_a = nan_b = inf_a = inf_b = nonfinite_diff = 0
@@ -103,9 +123,9 @@ def _careful(x, y):  # pragma: no cover - compiled
         if math.isfinite(a) and math.isfinite(b):
             finite += 1
             d = a - b
-            xx += a * a
-            yy += b * b
-            dd += d * d
+            xx += (a * inv) ** 2
+            yy += (b * inv) ** 2
+            dd += (d * inv) ** 2
             e = abs(d)
             abs_diff += e
             sx += a
@@ -119,14 +139,14 @@ def _careful(x, y):  # pragma: no cover - compiled
         inf_a += ia
         inf_b += ib
         nonfinite_diff += (na != nb) or (ia != ib) or (ia and ib and a != b)
-    return xx, yy, dd, abs_diff, best, index, finite, nan_a, nan_b, inf_a, inf_b, nonfinite_diff, sx, sy
+    return xx, yy, dd, abs_diff, best, index, finite, nan_a, nan_b, inf_a, inf_b, nonfinite_diff, sx, sy, exp
 
 
 def sums(x: np.ndarray, y: np.ndarray) -> Sums:
     """x, y: flat float32 or float64 arrays of one length."""
     xx, yy, dd, abs_diff, best, index, sx, sy = _fast(x, y)
-    fast = Sums(xx, yy, dd, abs_diff, best, index, finite_pairs=x.size, sx=sx, sy=sy)
-    if fast.finite:
+    fast = Sums(xx, yy, dd, abs_diff, best, index, finite_pairs=x.size, sx=sx, sy=sy, exp=0)
+    if fast.finite and xx + yy >= SMALLEST:
         return fast
     return Sums(*_careful(x, y))
 

@@ -142,10 +142,12 @@ def metrics_of(total: fused.Sums, shape: list[int]) -> TensorMetrics:
     xy = (xx + yy - dd) / 2
     cosine = xy / math.sqrt(xx * yy) if xx > 0 and yy > 0 else float(xx == yy)
     found = total.max_index >= 0
+    unscale = total.exp if total.exp != fused.NO_EXP else 0  # the norms as the user's values have them
     return TensorMetrics(rel_diff=rel_diff_of_sums(dd, xx + yy), max_abs_diff=max(total.max_abs, 0.0),
                          max_abs_index=unravel(total.max_index, shape) if found else None,
                          mean_abs_diff=total.abs_diff / total.finite_pairs if total.finite_pairs else 0.0,
-                         cosine=cosine, norm_a=math.sqrt(xx), norm_b=math.sqrt(yy), sum_a=total.sx,
+                         cosine=cosine, norm_a=math.ldexp(math.sqrt(xx), unscale),
+                         norm_b=math.ldexp(math.sqrt(yy), unscale), sum_a=total.sx,
                          sum_b=total.sy, nan_a=total.nan_a, nan_b=total.nan_b, inf_a=total.inf_a, inf_b=total.inf_b,
                          nonfinite_diff=total.nonfinite_diff)
 
@@ -167,15 +169,6 @@ def _float_chunks(x: torch.Tensor, y: torch.Tensor) -> Iterator[tuple[int, np.nd
         yield start, buf_a[:size].copy_(x[start:start + size]).numpy(), buf_b[:size].copy_(y[start:start + size]).numpy()
 
 
-def max_abs_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """How far two replicas of one tensor disagree (0.0 when bit-identical, the usual case; inf when
-    they disagree on where NaN or Inf are)."""
-    if torch.equal(x, y):
-        return 0.0
-    metrics = tensor_metrics(x, y)
-    return math.inf if metrics.nonfinite_mismatch else metrics.max_abs_diff
-
-
 def stats_metrics(a: TensorStats, b: TensorStats) -> StatsMetrics:
     """The relative-difference formula applied to the summaries, so thresholds keep their meaning.
 
@@ -186,10 +179,17 @@ def stats_metrics(a: TensorStats, b: TensorStats) -> StatsMetrics:
     sums' float32 accumulation error (stats.py) into noise far above the fp32 thresholds.
     """
     rms_a, rms_b = a.norm / math.sqrt(max(a.numel, 1)), b.norm / math.sqrt(max(b.numel, 1))
-    worst = max(rel_diff_of_sums((a.norm - b.norm) ** 2, a.norm ** 2 + b.norm ** 2),
-                rel_diff_of_sums((a.mean - b.mean) ** 2, rms_a ** 2 + rms_b ** 2))
+    worst = max(_scalar_rel(a.norm - b.norm, a.norm, b.norm), _scalar_rel(a.mean - b.mean, rms_a, rms_b))
     return StatsMetrics(rel_diff=worst, norm_a=a.norm, norm_b=b.norm, mean_a=a.mean, mean_b=b.mean,
                         std_a=a.std, std_b=b.std, nan_a=a.nan, nan_b=b.nan, inf_a=a.inf, inf_b=b.inf)
+
+
+def _scalar_rel(diff: float, p: float, q: float) -> float:
+    """diff^2 / (p^2 + q^2), all divided by max(|p|, |q|) first: squares of 1e-170 underflow (fused.py)."""
+    scale = max(abs(p), abs(q))
+    if not 0 < scale < math.inf:
+        return rel_diff_of_sums(diff ** 2, p ** 2 + q ** 2)
+    return rel_diff_of_sums((diff / scale) ** 2, (p / scale) ** 2 + (q / scale) ** 2)
 
 
 def logprob_metrics(x: torch.Tensor, y: torch.Tensor, tokens: Optional[torch.Tensor],

@@ -6,7 +6,8 @@ part by part); along the sequence dim, SP pieces in tp_rank order within their C
 the CP zigzag undone (document by document in a packed row, at the dump's bounds); along dp_dim, DP
 ranks in order. On an axis a tensor is not split on (no tp_dim, no sequence dim under CP, no
 dp_dim), the ranks hold replicas: the first is placed, the others are checked against it, by the
-content hash the run recorded for each (read only when the hashes differ, or a dump has none).
+content hash the run recorded for each (read only when the hashes differ, or a dump has none, and
+then measured as a ReplicaGap).
 Under PP a name lives on one stage, whose ranks are exactly the shards given.
 
 The full tensor is allocated once (in the caller's buffer when given: verdict.py reuses them) and
@@ -24,8 +25,9 @@ from typing import Optional
 
 import torch
 
-from megalign.alignment.compare.entries import Value
-from megalign.alignment.compare.metrics import max_abs_diff
+from megalign.alignment.compare.entries import ReplicaGap, Value
+from megalign.alignment.compare.fused import Sums
+from megalign.alignment.compare.metrics import pair_sums
 from megalign.alignment.dump.format import TensorRecord
 from megalign.alignment.dump.reader import Dump, RankManifest
 from megalign.alignment.dump.sharding import cp_positions
@@ -73,10 +75,9 @@ def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] =
     full = _allocate(shape, dtype, buffer)
     for p in placed:
         _read_placed(dump, p.shard, p, full, rows)
-    diffs = [0.0 if _same_content(p.shard, replica) else _replica_diff(dump, p, replica, full, rows)
-             for p in placed for replica in p.replicas]
+    value.replicas = [_replica_gap(dump, p, replica, full, rows) for p in placed for replica in p.replicas
+                      if not _same_content(p.shard, replica)]
     value.tensor = full
-    value.replica_diff = max(diffs) if diffs else None
     return value
 
 
@@ -200,22 +201,26 @@ def _same_content(shard: Shard, replica: Shard) -> bool:
     return a.hash is not None and a.hash == b.hash and a.dtype == b.dtype
 
 
-def _replica_diff(dump: Dump, placed: _Placed, replica: Shard, out: torch.Tensor, rows) -> float:
+def _replica_gap(dump: Dump, placed: _Placed, replica: Shard, out: torch.Tensor, rows) -> ReplicaGap:
     """How far a replica is from the values placed for the shard it copies: read into the same place
     of a scratch tensor and compared block by block."""
     scratch = torch.empty_like(out)
     _read_placed(dump, replica, placed, scratch, rows)
-    return max((max_abs_diff(_narrow(out, where), _narrow(scratch, where)) for _, where in _blocks(placed, rows)),
-               default=0.0)
+    total = Sums()
+    for _, where in _blocks(placed, rows):
+        total.add(pair_sums(_narrow(scratch, where), _narrow(out, where)), 0)
+    return ReplicaGap(ranks=f"rank {replica.rank.coords.rank} vs rank {placed.shard.rank.coords.rank}", sums=total)
 
 
-def first_replica(replicas: list, diffs: list, differ=max_abs_diff):
-    """The first replica, after recording how far `differ` finds the others from it (sglang.py)."""
-    shapes = {tuple(getattr(r, "shape", ())) for r in replicas}
+def first_replica(replicas: list[tuple[int, torch.Tensor]], gaps: list[ReplicaGap]) -> torch.Tensor:
+    """The first of (rank, tensor) replicas, after recording how far the others are from it (sglang.py)."""
+    shapes = {tuple(getattr(r, "shape", ())) for _, r in replicas}
     if len(shapes) > 1:
         raise _Missing(f"has replicas of different shapes {sorted(shapes)}: not the same tensor on every rank")
-    diffs.extend(differ(replicas[0], other) for other in replicas[1:])
-    return replicas[0]
+    rank, first = replicas[0]
+    gaps.extend(ReplicaGap(ranks=f"rank {other_rank} vs rank {rank}", sums=pair_sums(other, first))
+                for other_rank, other in replicas[1:] if not torch.equal(other, first))
+    return first
 
 
 def full_shape(shards: list[Shard], layout: dict) -> list[int]:

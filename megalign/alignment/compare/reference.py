@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from megalign.alignment.compare.entries import Entry, Source
+from megalign.alignment.compare.entries import Source
 from megalign.alignment.errors import UserError
 
 # The largest distance to R seen on the real model (bench/calibrate.py) times a margin. fp32: activations,
@@ -34,9 +34,11 @@ BUDGET: dict[str, dict[str, float]] = {
     "bf16": {"input": 0.0, "activation": 1e-2, "activation_grad": 2e-2, "param_grad": 1e-1, "logits": 2e-3,
              "logprobs": 2e-3, "loss": 1e-5},
 }
-# The sizes that make two runs the same model: a reference must share them with A and B.
-MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "vocab_size", "kv_channels")
+# Model config entries a reference may differ in: the name, and the constants a checkpoint's config.json
+# may get wrong without changing any tensor's shape, which is what a reference is there to pin on a side
+# (README: `rms_norm_eps` 1e-6 on one side is "B off"). Every other entry (sizes, experts, switches,
+# the init std of seeded weights) must match A's and B's.
+JUDGED = ("name", "layernorm_epsilon", "rotary_base")
 
 
 @dataclass
@@ -58,21 +60,34 @@ def judge(kind: str, rel_a: float, rel_b: float, precision_a: str, precision_b: 
 
 
 def check_reference(reference: Source, a: Source, b: Source) -> None:
-    """A reference of another model or other tokens would judge nothing: UserError (exit 2)."""
+    """A reference of another model, other weights or other inputs would judge nothing but that
+    difference: UserError (exit 2), naming the first difference."""
     if reference.precision not in (None, "fp64"):
         raise UserError(f"--reference {reference.path}: a {reference.precision} run; the reference is an fp64 run "
                         "(megalign forward|backward --dtype fp64)")
     for side in (a, b):
         if side.model and reference.model:
-            differ = [k for k in MODEL_KEYS if side.model.get(k) != reference.model.get(k)]
+            differ = sorted(k for k in set(side.model) | set(reference.model)
+                            if k not in JUDGED and side.model.get(k) != reference.model.get(k))
             if differ:
                 raise UserError(f"--reference {reference.path} is another model than {side.path}: "
                                 + ", ".join(f"{k} {reference.model.get(k)} vs {side.model.get(k)}" for k in differ))
-        mine, theirs = _tokens(side), _tokens(reference)
-        if mine is not None and theirs is not None and not (mine.shape == theirs.shape and torch.equal(mine, theirs)):
-            raise UserError(f"--reference {reference.path} ran on other tokens than {side.path}")
+        if side.weights and reference.weights and side.weights != reference.weights:
+            raise UserError(f"--reference {reference.path} has other weights than {side.path}: "
+                            f"{reference.weights} vs {side.weights}")
+        name = _other_input(reference, side)
+        if name:
+            raise UserError(f"--reference {reference.path} ran on other {name} than {side.path} (its input differs)")
 
 
-def _tokens(source: Source) -> Optional[torch.Tensor]:
-    entry: Optional[Entry] = next((e for e in source.entries if (e.kind, e.name) == ("input", "tokens")), None)
-    return entry.load().tensor if entry is not None else None
+def _other_input(reference: Source, side: Source) -> Optional[str]:
+    """The first input tensor the two hold (lined up, lineup.py) whose values differ."""
+    inputs = {e.name: e for e in side.entries if e.kind == "input" and not e.apart}
+    for entry in reference.entries:
+        mine = inputs.get(entry.name) if entry.kind == "input" and not entry.apart else None
+        if mine is None:
+            continue
+        x, y = entry.load().tensor, mine.load().tensor
+        if x is not None and y is not None and not (x.shape == y.shape and torch.equal(x.double(), y.double())):
+            return entry.name
+    return None

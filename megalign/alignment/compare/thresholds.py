@@ -35,12 +35,19 @@ DOUBLE = ("fp64", "float64")
 
 
 def precision_of(*dtypes: Optional[str]) -> str:
-    """'bf16' when any side ran or stored in 16-bit floats (the looser defaults), 'fp64' when all are
-    float64, else 'fp32'."""
+    """'bf16' when any side ran in 16-bit floats (the looser defaults), 'fp64' when all are float64,
+    else 'fp32'."""
     known = [d for d in dtypes if d]
     if any(d in LOW_PRECISION for d in known):
         return "bf16"
     return "fp64" if known and all(d in DOUBLE for d in known) else "fp32"
+
+
+def run_precision(run: Optional[str], stored: str) -> str:
+    """A side's precision: its run's dtype (dump.json), which also sets the threshold of a tensor the
+    run stored at another dtype (a run in fp32 that stored one tensor as bf16 is still judged as fp32
+    runs are); the stored dtype only where the format records no run dtype (plain files)."""
+    return precision_of(run or stored)
 
 
 def check_threshold(option: str, value: float) -> float:

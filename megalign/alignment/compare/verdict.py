@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -27,17 +28,20 @@ from megalign.alignment.compare.metrics import (LogprobMetrics, RoutingMetrics, 
                                                 tensor_metrics)
 from megalign.alignment.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.alignment.compare.scale import Scale, check_scale
-from megalign.alignment.compare.thresholds import Thresholds, precision_of
+from megalign.alignment.compare.thresholds import Thresholds, precision_of, run_precision
 from megalign.alignment.dump.stats import TensorStats
 from megalign.alignment.errors import UserError, compile_pattern
 
-# Statuses. A tensor on one side only is legitimate (different attention kernels have different
-# submodules): counted, not failed. One that could not be reassembled was never compared, so it
-# fails unless the user allowed it (--allow-skipped), when it is SKIPPED and named in the summary.
-# A tensor set APART (lineup.py: positions, not tokens, under differently packed batches) is counted too.
+# Statuses. A tensor on one side only (ONLY_A / ONLY_B) was never compared, so it fails, unless the
+# op map between stacks and attention kernels expects it there (absent.py) or the user allowed it
+# (--allow-missing): then Row.allowed says which, and the summary counts it. One that could not be
+# reassembled was never compared either: it fails unless the user allowed it (--allow-skipped), when
+# it is SKIPPED and named in the summary. A tensor set APART (lineup.py: positions, not tokens, under
+# differently packed batches) is counted.
 PASS, FAIL, SHAPE_MISMATCH = "pass", "fail", "shape_mismatch"
 ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_reassemblable", "skipped", "apart"
 FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
+BY_OP_MAP, BY_PATTERN = "cross-stack op map", "--allow-missing"  # Row.allowed of a one-sided row
 # Pairs with a side over STREAM_BYTES are compared WINDOW_BYTES of rows at a time (verdict._streamed).
 STREAM_BYTES, WINDOW_BYTES = 64 << 20, 16 << 20
 
@@ -58,11 +62,22 @@ class Row:
     metrics: Union[TensorMetrics, StatsMetrics, None] = None
     logprobs: Optional[LogprobMetrics] = None
     routing: Optional[RoutingMetrics] = None  # a router's expert choices: agreement, not a difference
-    replica_diff_a: Optional[float] = None
+    replica_diff_a: Optional[float] = None  # the largest relative difference of a replica to the copy placed
     replica_diff_b: Optional[float] = None
     reference: Optional[ReferenceVerdict] = None  # with --reference: each side's distance to R, and which is off
     scale: Optional[Scale] = None  # the norms' (and sums') ratio B/A, judged where a default threshold applies
+    allowed: Optional[str] = None  # ONLY_A / ONLY_B: BY_OP_MAP or BY_PATTERN, else None (the row fails)
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def failing(self) -> bool:
+        return self.status in FAILING or (self.status in (ONLY_A, ONLY_B) and self.allowed is None)
+
+    @property
+    def nonfinite_in_both(self) -> bool:
+        """NaN/Inf on both sides at the same positions: agreement, but rarely a sane run."""
+        m = self.metrics
+        return m is not None and bool(m.nan_a or m.nan_b or m.inf_a or m.inf_b) and not m.nonfinite_mismatch
 
 
 @dataclass
@@ -73,6 +88,10 @@ class Summary:
     shape_mismatch: int
     only_a: int
     only_b: int
+    missing_a: int  # of only_a: those not allowed, which fail
+    missing_b: int
+    allowed_by_op_map: int  # one-sided rows the op map expects (absent.py)
+    allowed_by_pattern: int  # one-sided rows --allow-missing names
     not_reassemblable: int
     skipped: int
     apart: int
@@ -80,10 +99,11 @@ class Summary:
     # The first router whose choices differ: a cause of its own, before the numeric drift it brings.
     first_routing_flip: Optional[str]
     first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
+    nonfinite_in_both: list[str]  # "kind name" of rows with NaN/Inf at the same positions on both sides
 
     @property
     def ok(self) -> bool:
-        return self.failed == 0 and self.shape_mismatch == 0 and self.not_reassemblable == 0
+        return not (self.failed or self.shape_mismatch or self.not_reassemblable or self.missing_a or self.missing_b)
 
 
 @dataclass
@@ -109,19 +129,22 @@ class NothingCompared(UserError):
 
 def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
                     workers: Optional[int] = None, allow_skipped: Optional[str] = None,
-                    reference: Optional[Source] = None) -> Report:
-    """Compare every tensor the two sources share; NothingCompared when not one pair was compared.
-    With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds."""
+                    reference: Optional[Source] = None, allow_missing: Optional[str] = None,
+                    strict_nonfinite: bool = False) -> Report:
+    """Compare every tensor of the two sources; NothingCompared when not one pair was compared.
+    With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds.
+    `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
     a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
     pattern = compile_pattern("--filter", name_filter) if name_filter else None
     skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None
+    missable = compile_pattern("--allow-missing", allow_missing) if allow_missing else None
     matched = match_entries(a, b)
     pairs = [p for p in matched if pattern is None or pattern.search(p.name)]
     if not pairs:
         raise NothingCompared(f"--filter {name_filter!r} matches none of the {len(matched)} tensors: nothing compared")
     if reference is not None:
         check_reference(reference, a, b)
-    comparison = _Comparison(a, b, thresholds, reference, pairs)
+    comparison = _Comparison(a, b, thresholds, reference, pairs, missable, strict_nonfinite)
     workers = workers or os.cpu_count() or 1
     # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
     # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
@@ -135,7 +158,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     for row in rows:
         if row.status == NOT_REASSEMBLABLE and skippable is not None and skippable.search(row.name):
             row.status = SKIPPED
-    first = next((row.index for row in rows if row.status in FAILING), None)
+    first = next((row.index for row in rows if row.failing), None)
     report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first), first_divergence=first)
     _check_something_compared(report)
     return report
@@ -179,8 +202,10 @@ def _pair(a: Optional[Entry], b: Optional[Entry]) -> _Pair:
 class _Comparison:
     """What every row of one comparison needs: the sources, the thresholds, the reference, the inputs."""
 
-    def __init__(self, a: Source, b: Source, thresholds: Thresholds, reference: Optional[Source], pairs: list[_Pair]):
+    def __init__(self, a: Source, b: Source, thresholds: Thresholds, reference: Optional[Source], pairs: list[_Pair],
+                 missable: Optional[re.Pattern], strict_nonfinite: bool):
         self.a, self.b, self.thresholds, self.reference = a, b, thresholds, reference
+        self.missable, self.strict_nonfinite = missable, strict_nonfinite
         self.tokens = _input(self.a, self.b, "tokens")  # to name the token at the worst logprob position
         self.loss_mask = _input(self.a, self.b, "loss_mask")
         self.in_reference = {(e.kind, e.name): e for e in self.reference.entries} if self.reference else {}
@@ -194,8 +219,14 @@ class _Comparison:
         layer = pair.a.layer if pair.a else pair.b.layer
         row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
         if pair.a is None or pair.b is None:
-            why = absent.reason(pair.kind, pair.name, self.kinds_b if pair.b is None else self.kinds_a)
+            entry = pair.a or pair.b
+            other_kinds = self.kinds_b if pair.b is None else self.kinds_a
+            why = absent.reason(entry.kind, pair.name, other_kinds)
             row.notes += [why] if why else []
+            if absent.op_map(entry.kind, pair.name, other_kinds):
+                row.allowed = BY_OP_MAP
+            elif self.missable is not None and self.missable.search(pair.name):
+                row.allowed = BY_PATTERN
             return _one_side(row, pair)
         apart = pair.a.apart or pair.b.apart
         if apart:
@@ -240,8 +271,7 @@ class _Comparison:
                 x, y = (entry.load(buffer=buffer, rows=rows) for entry, buffer in zip((pair.a, pair.b), buffers))
                 for whole, part in zip(values, (x, y)):
                     whole.problem = part.problem
-                    if part.replica_diff is not None:
-                        whole.replica_diff = max(whole.replica_diff or 0.0, part.replica_diff)
+                    whole.add_replicas(part)
                 if x.problem or y.problem:
                     break
                 total.add(pair_sums(x.tensor, y.tensor), start * row_numel)
@@ -251,12 +281,6 @@ class _Comparison:
                  metrics: Optional[TensorMetrics] = None) -> Row:
         """The row's verdict; `metrics`: already computed (a streamed pair, whose Values hold no tensor)."""
         row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype
-        row.replica_diff_a, row.replica_diff_b = x.replica_diff, y.replica_diff
-        for side, value in (("A", x), ("B", y)):
-            if value.replica_diff is not None and not math.isfinite(value.replica_diff):
-                row.notes.append(f"{side}: replicas disagree on where NaN/Inf are")
-            elif value.replica_diff:
-                row.notes.append(f"{side}: replicas differ by {value.replica_diff:.3g}")
         problems = [f"{side}: {v.problem}" for side, v in (("A", x), ("B", y)) if v.problem]
         if problems:
             row.status = NOT_REASSEMBLABLE
@@ -265,12 +289,18 @@ class _Comparison:
         if list(x.shape) != list(y.shape):
             row.status = SHAPE_MISMATCH
             return row
-        if _is_routing_choice(pair.kind, x, y):
-            return _routing_row(row, x, y)
-        row.dtype_mismatch = x.dtype != y.dtype  # compared in float64 all the same; said once, above the table
-        precision_a, precision_b = precision_of(self.a.precision, x.dtype), precision_of(self.b.precision, y.dtype)
+        precision_a, precision_b = run_precision(self.a.precision, x.dtype), run_precision(self.b.precision, y.dtype)
         precision = precision_of(precision_a, precision_b)
-        row.threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision)
+        threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision)
+        replicas_disagree = _judge_replicas(row, x, y, threshold)
+        if _is_routing_choice(pair.kind, x, y):
+            return _routing_row(row, x, y, replicas_disagree)
+        row.dtype_mismatch = x.dtype != y.dtype  # compared in float64 all the same; said once, above the table
+        for side, source, value in (("A", self.a, x), ("B", self.b, y)):
+            if pair.kind != "input" and _stored_apart(source.precision, value.dtype):  # inputs: exact anyway
+                row.notes.append(f"{side}: stored as {value.dtype} by a {source.precision} run; judged at the run's "
+                                 "precision")
+        row.threshold = threshold
         row.metrics = metrics or _metrics(x, y)
         if pair.kind == "logprobs" and x.tensor is not None and y.tensor is not None:
             row.logprobs = logprob_metrics(x.tensor, y.tensor, self.tokens, self.loss_mask)
@@ -292,8 +322,8 @@ class _Comparison:
         if row.scale is not None and row.scale.off:
             diverged = True
             row.notes.append(row.scale.note())
-        replicas_nonfinite = any(v.replica_diff is not None and not math.isfinite(v.replica_diff) for v in (x, y))
-        row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_nonfinite else PASS
+        strict = self.strict_nonfinite and row.nonfinite_in_both
+        row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_disagree or strict else PASS
         return row
 
 
@@ -306,14 +336,46 @@ def _is_routing_choice(kind: str, x: Value, y: Value) -> bool:
         not x.tensor.is_floating_point() and not y.tensor.is_floating_point()
 
 
-def _routing_row(row: Row, x: Value, y: Value) -> Row:
+def _routing_row(row: Row, x: Value, y: Value, replicas_disagree: bool) -> Row:
     """Expert ids are the same or not: the row fails when a token's top-k set changed."""
     m = row.routing = routing_metrics(x.tensor, y.tensor)
     row.notes.append(f"routing: {m.same_set / m.tokens:.2%} of {m.tokens} tokens keep their top-k set, "
                      f"{m.same_order / m.tokens:.2%} its order"
                      + (f"; first flip at token {','.join(map(str, m.first_flip))}" if m.flipped else ""))
-    row.status = FAIL if m.flipped else PASS
+    row.status = FAIL if m.flipped or replicas_disagree else PASS
     return row
+
+
+def _judge_replicas(row: Row, x: Value, y: Value, threshold: float) -> bool:
+    """Whether a side's replicas disagree: a copy further from the one placed than the tensor's own
+    threshold (the relative difference of metrics.py), or NaN/Inf elsewhere. Notes the worst copy
+    of each side, and keeps its relative difference in replica_diff_a / replica_diff_b."""
+    disagree = False
+    for side, value in (("A", x), ("B", y)):
+        if not value.replicas:
+            continue
+        gaps = [(metrics_of(gap.sums, []), gap.ranks) for gap in value.replicas]
+        worst, ranks = max(gaps, key=lambda g: math.inf if g[0].nonfinite_mismatch else g[0].rel_diff)
+        rel = math.inf if worst.nonfinite_mismatch else worst.rel_diff
+        setattr(row, f"replica_diff_{side.lower()}", rel)
+        if worst.nonfinite_mismatch:
+            row.notes.append(f"{side}: replicas disagree on where NaN/Inf are ({ranks})")
+        elif not rel <= threshold:
+            row.notes.append(f"{side}: replicas disagree ({ranks}): rel diff {rel:.3g} over the threshold")
+        elif rel:
+            row.notes.append(f"{side}: replicas differ within the threshold ({ranks}): rel diff {rel:.3g}")
+        disagree = disagree or not rel <= threshold
+    return disagree
+
+
+_NARROWER = {"bf16": 0, "fp32": 1, "fp64": 2}
+
+
+def _stored_apart(run: Optional[str], stored: str) -> bool:
+    """A floating tensor stored narrower than its run computes (bf16 in an fp32 run): worth a note. Wider
+    is the rule in bf16 runs (float32 main gradients, loss and logprobs), so it goes unsaid."""
+    floating = isinstance(getattr(torch, stored, None), torch.dtype) and getattr(torch, stored).is_floating_point
+    return bool(run) and floating and _NARROWER[precision_of(stored)] < _NARROWER[precision_of(run)]
 
 
 def _one_side(row: Row, pair: _Pair) -> Row:
@@ -350,16 +412,23 @@ def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
     def count(*statuses: str) -> int:
         return sum(1 for row in rows if row.status in statuses)
 
+    def missing(status: str) -> int:
+        return sum(1 for row in rows if row.status == status and row.allowed is None)
+
     by_kind: dict[str, str] = {}
     for row in rows:
-        if row.status in FAILING:
+        if row.failing:
             by_kind.setdefault(row.kind, row.name)
 
     return Summary(compared=count(PASS, FAIL), passed=count(PASS), failed=count(FAIL),
                    shape_mismatch=count(SHAPE_MISMATCH), only_a=count(ONLY_A), only_b=count(ONLY_B),
+                   missing_a=missing(ONLY_A), missing_b=missing(ONLY_B),
+                   allowed_by_op_map=sum(1 for row in rows if row.allowed == BY_OP_MAP),
+                   allowed_by_pattern=sum(1 for row in rows if row.allowed == BY_PATTERN),
                    not_reassemblable=count(NOT_REASSEMBLABLE), skipped=count(SKIPPED), apart=count(APART),
                    first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None,
                    first_routing_flip=next((f"{row.name} ({row.routing.same_set / row.routing.tokens:.2%} of tokens "
                                             "keep their top-k set)" for row in rows
                                             if row.routing is not None and row.routing.flipped), None),
-                   first_failure_by_kind=by_kind)
+                   first_failure_by_kind=by_kind,
+                   nonfinite_in_both=[f"{row.kind} {row.name}" for row in rows if row.nonfinite_in_both])

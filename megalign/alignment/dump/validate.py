@@ -140,7 +140,7 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
     if not isinstance(shape, list):
         raise Malformed(f"{where}: shape must be a list of integers")
     dtype = record.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is unhashable: a dict lookup would raise
         raise Malformed(f"{where}: unknown dtype {dtype!r}")
     file, key, stats = record.get("file"), record.get("key"), record.get("stats")
     if file is None and stats is None:

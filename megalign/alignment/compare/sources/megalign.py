@@ -7,6 +7,7 @@ import math
 from collections import Counter
 from functools import partial
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -51,7 +52,14 @@ def _open(path: Path) -> Source:
                    + (", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
-                  rows=dump.rows, dump=dump)
+                  weights=_weights(meta), rows=dump.rows, dump=dump)
+
+
+def _weights(meta: dict) -> Optional[str]:
+    """A checkpoint's weights, or random ones, which the seed makes (dropout is off: it seeds nothing else)."""
+    if meta.get("hf_checkpoint"):
+        return "a checkpoint"
+    return f"seed {meta['seed']}" if meta.get("seed") is not None else None
 
 
 def _entry(dump: Dump, kind: str, name: str, shards: list[Shard]) -> Entry:

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megalign.alignment.compare.entries import Entry, Source, Value, phase
+from megalign.alignment.compare.entries import Entry, ReplicaGap, Source, Value, phase
 from megalign.alignment.compare.reassemble import first_replica
 from megalign.alignment.compare.sources.plain import is_regular, load_pt, tensor_value
 from megalign.alignment.dump.format import layer_of
@@ -171,17 +171,17 @@ def _reassemble(files: list[_File]) -> Value:
                      problem=f"dumped by {len(files)} ranks without dims: shards and replicas cannot be told apart")
     try:
         splits = parse_dims(dims)
-        infos = [_parallel_info(f) for f in files]
+        infos = [{**_parallel_info(f), "rank": f.rank} for f in files]  # "rank": to name replicas that differ
         tensors = [_load(f) for f in files]
         if any(t.ndim != len(dims.split("#")[0].split()) for t in tensors):
             raise ValueError(f"dims {dims!r} do not match the tensor's {tensors[0].ndim} dims")
-        diffs: list[float] = []
-        full = _merge(list(zip(infos, tensors)), splits, diffs)
+        gaps: list[ReplicaGap] = []
+        full = _merge(list(zip(infos, tensors)), splits, gaps)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
         # Foreign metadata: dims or parallel info of the wrong type, or shards that do not fit together.
         return Value(shape=[], dtype="?", problem=f"cannot reassemble from dims: {type(e).__name__}: {e}")
     value = tensor_value(full)
-    value.replica_diff = max(diffs) if diffs else None
+    value.replicas = gaps
     return value
 
 
@@ -216,10 +216,10 @@ def _coord(info: dict, axis: str) -> tuple[int, int]:
     return info[f"{axis}_rank"], info[f"{axis}_size"]
 
 
-def _merge(shards: list[tuple[dict, torch.Tensor]], splits: list[_Split], diffs: list[float]) -> torch.Tensor:
+def _merge(shards: list[tuple[dict, torch.Tensor]], splits: list[_Split], gaps: list[ReplicaGap]) -> torch.Tensor:
     """Undo the first split within every group of shards that agree on the other splits' ranks."""
     if not splits:
-        return first_replica([t for _, t in shards], diffs)
+        return first_replica([(info["rank"], t) for info, t in shards], gaps)
     split, rest = splits[0], splits[1:]
     groups: dict[tuple, dict[int, list]] = defaultdict(lambda: defaultdict(list))
     for info, tensor in shards:
@@ -230,9 +230,9 @@ def _merge(shards: list[tuple[dict, torch.Tensor]], splits: list[_Split], diffs:
         size = _coord(next(iter(by_rank.values()))[0][0], split.axis)[1]
         if sorted(by_rank) != list(range(size)):
             raise ValueError(f"has {split.axis} ranks {sorted(by_rank)} of {size}")
-        parts = [first_replica([t for _, t in by_rank[r]], diffs) for r in range(size)]
+        parts = [first_replica([(info["rank"], t) for info, t in by_rank[r]], gaps) for r in range(size)]
         merged.append((by_rank[0][0][0], _undo(split, parts)))
-    return _merge(merged, rest, diffs)
+    return _merge(merged, rest, gaps)
 
 
 def _undo(split: _Split, parts: list[torch.Tensor]) -> torch.Tensor:
