@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from megalign.alignment.dump.format import DUMP_META, FORMAT, VERSION, RankCoords, write_json_atomic
-from megalign.alignment.dump.sharding import Sharding, zigzag_chunks
-from megalign.alignment.dump.writer import RankWriter
+from megalign.dump.format import DUMP_META, FORMAT, VERSION, RankCoords, write_json_atomic
+from megalign.dump.sharding import Sharding, zigzag_chunks
+from megalign.dump.writer import RankWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORS = 17
@@ -65,10 +65,10 @@ print(time.perf_counter() - start)
 _COMPARE = """
 import os, sys, time
 from pathlib import Path
-from megalign.alignment.compare.verdict import compare_sources
-from megalign.alignment.compare.sources import open_source
-from megalign.alignment.compare.thresholds import Thresholds
-from megalign.alignment.compare.fused import load_kernels
+from megalign.compare.verdict import compare_sources
+from megalign.compare.sources import open_source
+from megalign.compare.thresholds import Thresholds
+from megalign.compare.fused import load_kernels
 a, b, expected, cores = sys.argv[1:5]
 if cores == "1":
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -142,7 +142,7 @@ def llama_dumps(root: Path) -> tuple[Path, Path]:
 
 
 def largest_tensor_bytes(*dumps: Path) -> int:
-    from megalign.alignment.dump.reader import Dump
+    from megalign.dump.reader import Dump
 
     return max(math.prod(r.shape) * getattr(torch, r.dtype).itemsize for d in dumps for _, r in Dump.open(d).records())
 

@@ -41,7 +41,7 @@ def peak_rss_bytes() -> int:
 def forward_memory(config: Path, ddp: bool, device: str) -> dict:
     """In this process: build the model as the worker does, optionally wrap it in DDP, run forward."""
     if device == "cpu":
-        from megalign.alignment.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
+        from megalign.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
 
         install_import_stubs()
         apply_cpu_patches()
@@ -51,10 +51,10 @@ def forward_memory(config: Path, ddp: bool, device: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megalign.alignment.run.tokens import default_tokens
-    from megalign.alignment.spec import ModelConfig, RunSpec
-    from megalign.alignment.stacks.batch import batch_rows, build_batch
-    from megalign.alignment.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
+    from megalign.run.tokens import default_tokens
+    from megalign.spec import ModelConfig, RunSpec
+    from megalign.stacks.batch import batch_rows, build_batch
+    from megalign.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
                                                           transformer_config)
 
     dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from bench_run import positive, write_seconds  # bench/ is this script's own folder on sys.path
 
-from megalign.alignment.dump import writer
-from megalign.alignment.dump.format import RankCoords
-from megalign.alignment.dump.sharding import Sharding
+from megalign.dump import writer
+from megalign.dump.format import RankCoords
+from megalign.dump.sharding import Sharding
 
 SIZES = [151936 * 896] + [896 * 4864] * 72 + [896 * 896] * 48 + [896 * 128] * 96 + [896] * 120
 RUNS = 3

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from real_checkpoint import build  # noqa: E402
 
-from megalign.alignment.compare.scale import deviation, ratios  # noqa: E402
+from megalign.compare.scale import deviation, ratios  # noqa: E402
 
 MEGALIGN = [sys.executable, "-m", "megalign"]
 SEQ_LEN = "36"  # a multiple of 2*CP for CP=2; TP=3 divides the model's 9 heads and 3 groups

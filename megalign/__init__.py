@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 __all__ = ["open", "Dumper", "Sharding"]
 
 _EXPORTS = {"open": "megalign.api.reading", "Dumper": "megalign.api.writing",
-            "Sharding": "megalign.alignment.dump.sharding"}
+            "Sharding": "megalign.dump.sharding"}
 
 
 def __getattr__(name: str):

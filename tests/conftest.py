@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from megalign.alignment.compare.sources import open_source
-from megalign.alignment.dump.format import MANIFEST
+from megalign.compare.sources import open_source
+from megalign.dump.format import MANIFEST
 from megalign.cli.app import app
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import megalign
-from megalign.alignment.errors import UserError
+from megalign.errors import UserError
 from tests.conftest import invoke
 
 REPO = Path(megalign.__file__).parent.parent

@@ -15,7 +15,7 @@ import pytest
 import megalign
 
 PACKAGE = Path(megalign.__file__).parent
-BASE = {"megalign", "megalign.alignment", "megalign.alignment.spec", "megalign.alignment.errors"}
+BASE = {"megalign", "megalign.spec", "megalign.errors"}
 # Which parts each part may import, besides itself and the base modules.
 # The two stacks share only stacks/'s own modules: transformers' stack must not pay megatron-core's
 # import, nor megatron's import transformers.
@@ -33,12 +33,12 @@ ALLOWED = {
 
 
 def part_of(module: str) -> str:
-    """'megalign.alignment.stacks.hf.stack' -> 'stacks.hf'; base modules -> 'base'."""
+    """'megalign.stacks.hf.stack' -> 'stacks.hf'; base modules -> 'base'."""
     if module in BASE:
         return "base"
     if module == "megalign.__main__":
         return "cli"
-    rest = module.removeprefix("megalign.").removeprefix("alignment.").split(".")
+    rest = module.removeprefix("megalign.").split(".")
     if rest[0] == "stacks" and len(rest) > 2:
         return f"stacks.{rest[1]}"
     return rest[0]
@@ -90,16 +90,16 @@ def test_imports_run_one_way():
 
 
 @pytest.mark.parametrize("where, line, expected", [
-    ("compare", "from megalign.alignment.run.launch import launch", "compare -> run (megalign.alignment.run.launch.launch)"),
-    ("stacks/hf", "from megalign.alignment.stacks.megatron import model",
-     "stacks.hf -> stacks.megatron (megalign.alignment.stacks.megatron.model)"),
+    ("compare", "from megalign.run.launch import launch", "compare -> run (megalign.run.launch.launch)"),
+    ("stacks/hf", "from megalign.stacks.megatron import model",
+     "stacks.hf -> stacks.megatron (megalign.stacks.megatron.model)"),
 ])
 def test_a_backward_arrow_is_caught(where, line, expected):
     """The failing twin: a planted import against the rule is reported with its file and line."""
-    planted = PACKAGE / "alignment" / where / "_planted_import.py"
+    planted = PACKAGE / where / "_planted_import.py"
     planted.write_text(f"def f():\n    {line}\n")
     try:
         found = violations()
     finally:
         planted.unlink()
-    assert found == [f"megalign/alignment/{where}/_planted_import.py:2: {expected}"]
+    assert found == [f"megalign/{where}/_planted_import.py:2: {expected}"]

@@ -15,12 +15,12 @@ from typing import Optional
 
 import torch
 
-from megalign.alignment.compare.entries import Entry, Source
-from megalign.alignment.compare.sources import open_source
-from megalign.alignment.dump.format import TensorRecord
-from megalign.alignment.dump.reader import Dump as DumpFiles
-from megalign.alignment.dump.reader import RankManifest
-from megalign.alignment.dump.sharding import Sharding
+from megalign.compare.entries import Entry, Source
+from megalign.compare.sources import open_source
+from megalign.dump.format import TensorRecord
+from megalign.dump.reader import Dump as DumpFiles
+from megalign.dump.reader import RankManifest
+from megalign.dump.sharding import Sharding
 
 
 @dataclass

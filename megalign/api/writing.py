@@ -29,13 +29,13 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megalign.alignment.dump.coverage import has_gradient, read_grad
-from megalign.alignment.dump.format import KINDS, RankCoords, layer_of
-from megalign.alignment.dump.meta import write_meta
-from megalign.alignment.dump.sharding import Sharding
-from megalign.alignment.dump.writer import RankWriter
-from megalign.alignment.errors import UserError
-from megalign.alignment.run.staging import check_out, staged, staging_dir
+from megalign.dump.coverage import has_gradient, read_grad
+from megalign.dump.format import KINDS, RankCoords, layer_of
+from megalign.dump.meta import write_meta
+from megalign.dump.sharding import Sharding
+from megalign.dump.writer import RankWriter
+from megalign.errors import UserError
+from megalign.run.staging import check_out, staged, staging_dir
 
 _PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 

@@ -21,7 +21,7 @@ from typing import Literal
 import typer
 from typer.exceptions import TyperException
 
-from megalign.alignment.errors import UserError
+from megalign.errors import UserError
 from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, NoColor, Plot,
                                   StrictNonfinite, Threshold, Tolerance, Workers, check_judging, run_compare)
 from megalign.cli.render import console, fail, use_color

@@ -11,13 +11,13 @@ from typing import Annotated, Literal, Optional
 import typer
 from rich.markup import escape
 
-from megalign.alignment.compare.metrics import TensorMetrics
-from megalign.alignment.compare.outputs import check_outputs, write_replacing
-from megalign.alignment.compare.sources import open_source
-from megalign.alignment.compare.thresholds import Thresholds
-from megalign.alignment.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
+from megalign.compare.metrics import TensorMetrics
+from megalign.compare.outputs import check_outputs, write_replacing
+from megalign.compare.sources import open_source
+from megalign.compare.thresholds import Thresholds
+from megalign.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                                 SKIPPED, Report, Row, compare_sources)
-from megalign.alignment.errors import UserError
+from megalign.errors import UserError
 from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural, print_table, reader_may_leave,
                                  resolve_format,
                                  use_color)
@@ -138,11 +138,11 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
         _print_summary(report, judging)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     if judging.json_out is not None:
-        from megalign.alignment.compare.report import write_jsonl
+        from megalign.compare.report import write_jsonl
 
         _write_report(judging.json_out, lambda tmp: write_jsonl(report, tmp))
     if judging.plot is not None:
-        from megalign.alignment.compare.plot import plot_divergence
+        from megalign.compare.plot import plot_divergence
 
         _write_report(judging.plot, lambda tmp: plot_divergence(report, tmp))
     return 0 if report.summary.ok else 1

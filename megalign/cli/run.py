@@ -14,12 +14,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
-from megalign.alignment.compare.replay import check_fits, recorded_routing
-from megalign.alignment.errors import RunFailed, UserError
-from megalign.alignment.run.launch import (LaunchOptions, RunResult, check_options, launch, run_here, run_in_process,
+from megalign.compare.replay import check_fits, recorded_routing
+from megalign.errors import RunFailed, UserError
+from megalign.run.launch import (LaunchOptions, RunResult, check_options, launch, run_here, run_in_process,
                                            signals_as_interrupts)
-from megalign.alignment.run.plan import RunRequest, plan_run
-from megalign.alignment.stacks.batch import batch_rows
+from megalign.run.plan import RunRequest, plan_run
+from megalign.stacks.batch import batch_rows
 from megalign.cli.render import console, err_console, fail, human_bytes, plural
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from megalign.alignment.dump.format import MANIFEST
-from megalign.alignment.dump.reader import Dump
+from megalign.dump.format import MANIFEST
+from megalign.dump.reader import Dump
 
 WRITER = Path(__file__).with_name("sglang_writer.py")
 # The default tiny backward at CP=1 / CP=2, shared with the run tests through conftest's `dump`.

@@ -80,14 +80,14 @@ def _module_tree(grads: dict):
 
 
 def main(source: str, out: str) -> None:
-    from megalign.alignment.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
+    from megalign.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
 
     install_import_stubs()
     apply_cpu_patches()
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megalign.alignment.dump.reader import Dump
+    from megalign.dump.reader import Dump
 
     dist.init_process_group("gloo")
     dump = Dump.open(Path(source))

@@ -10,7 +10,7 @@ import sys
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2, copy_dump, perturb
 from conftest import invoke
 
-from megalign.alignment.dump.sharding import zigzag_positions
+from megalign.dump.sharding import zigzag_positions
 
 
 def read_jsonl(path):

@@ -10,7 +10,7 @@ from compare_fixtures import CP1, CP2
 from conftest import invoke
 from safetensors.torch import save_file
 
-from megalign.alignment.compare.sources import open_source
+from megalign.compare.sources import open_source
 
 
 def export(path, names, perturb=None):

@@ -14,7 +14,7 @@ from compare_fixtures import CP1, CP2, TP2, copy_dump
 from conftest import invoke
 from safetensors.torch import load_file, save_file
 
-from megalign.alignment.dump.tensorfile import content_hash
+from megalign.dump.tensorfile import content_hash
 
 
 def plain(tmp_path, name: str, **tensors) -> str:

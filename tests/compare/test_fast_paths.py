@@ -13,18 +13,18 @@ import torch
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2
 from safetensors.torch import load_file
 
-from megalign.alignment.compare import fused, verdict
-from megalign.alignment.compare.buffers import SMALLEST, BufferPool
-from megalign.alignment.compare.metrics import metrics_of, pair_sums, tensor_metrics
-from megalign.alignment.compare.sources import open_source
-from megalign.alignment.compare.thresholds import Thresholds
-from megalign.alignment.compare.verdict import compare_sources
-from megalign.alignment.dump import writer as writer_module
-from megalign.alignment.dump.format import RankCoords
-from megalign.alignment.dump.sharding import Sharding
-from megalign.alignment.dump.staging import PinnedStaging
-from megalign.alignment.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
-from megalign.alignment.dump.writer import RankWriter
+from megalign.compare import fused, verdict
+from megalign.compare.buffers import SMALLEST, BufferPool
+from megalign.compare.metrics import metrics_of, pair_sums, tensor_metrics
+from megalign.compare.sources import open_source
+from megalign.compare.thresholds import Thresholds
+from megalign.compare.verdict import compare_sources
+from megalign.dump import writer as writer_module
+from megalign.dump.format import RankCoords
+from megalign.dump.sharding import Sharding
+from megalign.dump.staging import PinnedStaging
+from megalign.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
+from megalign.dump.writer import RankWriter
 
 
 def reference(x: torch.Tensor, y: torch.Tensor) -> dict:

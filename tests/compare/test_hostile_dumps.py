@@ -116,7 +116,7 @@ def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
     manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())
     record = first_record(manifest)
     outside = tmp_path / "outside.safetensors"
-    from megalign.alignment.dump.reader import Dump
+    from megalign.dump.reader import Dump
 
     dump_b = Dump.open(victim)
     rank = dump_b.ranks[0]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from compare_fixtures import CP1, CP2, TP2
 
-from megalign.alignment.compare.sources import open_source
-from megalign.alignment.dump.reader import Dump
-from megalign.alignment.dump.sharding import merge_tp
+from megalign.compare.sources import open_source
+from megalign.dump.reader import Dump
+from megalign.dump.sharding import merge_tp
 
 
 def entries(path):

@@ -15,9 +15,9 @@ import torch
 from conftest import invoke
 from test_run_layouts import TINY_PARAMETERS, TOLERANCE
 
-from megalign.alignment.compare.lineup import line_up
-from megalign.alignment.compare.sources import open_source
-from megalign.alignment.dump.sharding import cp_positions
+from megalign.compare.lineup import line_up
+from megalign.compare.sources import open_source
+from megalign.dump.sharding import cp_positions
 
 LENGTHS = (13, 30, 7, 22)  # uneven, two of them odd: padding between documents at CP=2
 LAYOUTS = {

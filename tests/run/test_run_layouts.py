@@ -75,7 +75,7 @@ def test_padding_masks_the_loss(dump):
 @pytest.mark.parametrize("args", [("--filter", r"layers\.1\."), ("--stats-only",)])
 def test_dump_options_keep_inputs(dump, args):
     path = dump("forward", *args)
-    from megalign.alignment.dump.reader import Dump
+    from megalign.dump.reader import Dump
 
     records = [record for _, record in Dump.open(path).records()]
     assert any(r.kind == "input" for r in records)

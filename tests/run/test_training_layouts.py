@@ -15,7 +15,7 @@ import pytest
 from conftest import invoke, tensors
 from test_run_layouts import TINY_PARAMETERS, TOLERANCE, assert_agree
 
-from megalign.alignment.dump.reader import Dump
+from megalign.dump.reader import Dump
 
 SINGLE = ("backward",)
 LAYOUTS = {

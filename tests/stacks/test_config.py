@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megalign.alignment.errors import UserError
-from megalign.alignment.spec import ModelConfig
-from megalign.alignment.stacks.megatron.cpu_patches import PATCHES
+from megalign.errors import UserError
+from megalign.spec import ModelConfig
+from megalign.stacks.megatron.cpu_patches import PATCHES
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -1,1 +1,0 @@
-"""The megalign library: launching, workers, the dump format, reassembly, metrics and reports."""

@@ -1,0 +1,93 @@
+"""What a comparison reads: a `Source` of lazily loaded `Entry`s, each loading to a `Value`.
+
+Kept apart from sources/ (which build them) and reassemble.py (which fills Values from shards), so
+that neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from megalign.compare.fused import Sums
+from megalign.dump.reader import Dump
+from megalign.dump.sharding import BatchRow
+from megalign.dump.stats import TensorStats
+
+# Execution order: forward tensors, then activation gradients (in backward order), then the
+# parameter gradients that the optimizer step would see.
+PHASES = {"input": 0, "activation": 0, "routing": 0, "logits": 0, "logprobs": 0, "loss": 0, "param": 0,
+          "activation_grad": 1, "param_grad": 2}
+
+
+@dataclass
+class ReplicaGap:
+    """How far one rank's copy of values is from the copy placed (another rank's): the sums of the
+    pair (fused.py), judged by verdict.py at the tensor's threshold. Bit-identical copies (equal
+    content hashes) are never read and have no gap."""
+
+    ranks: str  # "rank 1 vs rank 0": the copy's rank, then the placed one's
+    sums: Sums
+
+
+@dataclass
+class Value:
+    """A loaded tensor: its values, or only its statistics (--stats-only dumps), or why neither."""
+
+    shape: list[int]
+    dtype: str
+    tensor: Optional[torch.Tensor] = None
+    stats: Optional[TensorStats] = None
+    replicas: list[ReplicaGap] = field(default_factory=list)  # copies that should be equal and were read
+    problem: Optional[str] = None  # set when the shards cannot be put back together
+
+    def add_replicas(self, window: "Value") -> None:
+        """Merge the replica gaps of a window of rows into the whole's (verdict._streamed)."""
+        mine = {gap.ranks: gap for gap in self.replicas}
+        for gap in window.replicas:
+            if gap.ranks in mine:
+                mine[gap.ranks].sums.add(gap.sums, 0)
+            else:
+                self.replicas.append(gap)
+
+
+@dataclass
+class Entry:
+    kind: Optional[str]  # None for plain tensor files, which do not say what a tensor is
+    name: str
+    order: tuple  # sorts entries of one source in execution order
+    layer: Optional[int]
+    load: Callable[[], Value]
+    # Where the format records them: an only-in-one-side row then needs no load at all.
+    shape: Optional[list[int]] = None
+    dtype: Optional[str] = None
+    # Where the format records them: the dims holding the batch rows and the tokens of each row.
+    batch_dim: Optional[int] = None
+    seq_dim: Optional[int] = None
+    apart: Optional[str] = None  # why this tensor cannot be lined up with the other side's (lineup.py)
+    # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
+    # in a caller's buffer (reassemble.py): the tensor's size in bytes.
+    nbytes: Optional[int] = None
+    # megalign dumps: the rank records it is put together from (reassemble.Shard), for the Python API's
+    # Dump.shards(); typed loosely so that this module and reassemble.py need not import each other.
+    shards: Optional[list] = None
+
+
+@dataclass
+class Source:
+    path: Path
+    format: str  # megalign | sglang | tensors
+    description: str
+    entries: list[Entry]
+    precision: Optional[str] = None  # the run's dtype where the format records it
+    model: Optional[dict] = None  # the model's config where the format records it
+    weights: Optional[str] = None  # where the weights came from ("seed 1234", "a checkpoint") where recorded
+    rows: Optional[list[BatchRow]] = None  # the batch's documents where the format records them
+    dump: Optional[Dump] = None  # the megalign dump read (dump.json, manifests), for the Python API
+
+
+def phase(kind: Optional[str]) -> int:
+    return PHASES.get(kind or "activation", 0)

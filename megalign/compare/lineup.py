@@ -1,0 +1,69 @@
+"""Lining up runs whose batches are laid out differently: packed (THD) rows against padded ones.
+
+When the sources' rows differ, every token tensor (one with a batch dim and a sequence dim) is
+mapped to its real tokens, document by document in order: [tokens, ...]. Both sides then hold the
+same tokens in the same order, whatever the packing and the padding, and compare as usual. A tensor
+with a sequence dim and no batch dim (the RoPE table: positions, not tokens) cannot be mapped; it
+is set apart, with the reason, instead of failing as a shape mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from megalign.compare.entries import Entry, Source, Value
+from megalign.dump.sharding import BatchRow
+
+APART = "a sequence dim without a batch dim: not lined up between differently packed or padded batches"
+
+
+def line_up(*sources: Optional[Source]) -> list[Optional[Source]]:
+    """The sources with token tensors mapped to real tokens where their rows differ; else unchanged."""
+    present = [s for s in sources if s is not None]
+    rows = [s.rows for s in present]
+    if any(r is None for r in rows) or all(r == rows[0] for r in rows):
+        return list(sources)  # the same batch on every side (or a format that does not say): nothing to map
+    return [None if s is None else replace(s, entries=[_line_up(e, s.rows) for e in s.entries]) for s in sources]
+
+
+def _line_up(entry: Entry, rows: list[BatchRow]) -> Entry:
+    if entry.batch_dim is not None and entry.seq_dim is not None:
+        def load() -> Value:
+            return real_tokens(entry.load(), entry.batch_dim, entry.seq_dim, rows)
+
+        shape = None
+        if entry.shape is not None:
+            rest = [size for dim, size in enumerate(entry.shape) if dim not in (entry.batch_dim, entry.seq_dim)]
+            shape = [sum(sum(row.lengths) for row in rows), *rest]
+        return replace(entry, load=load, shape=shape, nbytes=None)
+    if entry.seq_dim is not None:
+        return replace(entry, apart=APART)
+    return entry
+
+
+def real_tokens(value: Value, batch_dim: int, seq_dim: int, rows: list[BatchRow]) -> Value:
+    """[..., rows, ..., seq, ...] -> [tokens, ...]: the real tokens of every document, in order."""
+    if value.problem:
+        return value
+    if value.tensor is None:
+        return replace(value, problem="stats only: no values to line up the real tokens of packed and padded rows")
+    if value.tensor.ndim <= max(batch_dim, seq_dim) or \
+            (value.tensor.shape[batch_dim], value.tensor.shape[seq_dim]) != (len(rows), rows[0].bounds[-1]):
+        return replace(value, problem=f"shape {list(value.tensor.shape)} does not hold the dump's {len(rows)} rows "
+                                      f"of {rows[0].bounds[-1]} tokens")
+    row_index, position = token_index(rows, value.tensor.device)
+    tensor = value.tensor.movedim((batch_dim, seq_dim), (0, 1))[row_index, position]
+    return replace(value, shape=list(tensor.shape), tensor=tensor)
+
+
+def token_index(rows: list[BatchRow], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, position) of every real token, document after document."""
+    row_index, position = [], []
+    for r, row in enumerate(rows):
+        for start, length in zip(row.bounds, row.lengths):
+            row_index.append(torch.full((length,), r))
+            position.append(torch.arange(start, start + length))
+    return torch.cat(row_index).to(device), torch.cat(position).to(device)

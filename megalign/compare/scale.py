@@ -1,0 +1,80 @@
+"""Whether one side is a rescaled copy of the other: a loss normalised over the wrong count of tokens
+(DP with uneven masks, CP with a local mean) multiplies every gradient by one factor.
+
+The relative difference (metrics.py) hardly sees a small factor: y = s*x gives (s-1)^2 / (1+s^2),
+0.0769 for s = 1.5, under the bf16 parameter-gradient threshold of 0.1 that rounding needs. The ratio
+of the two norms reads s itself. Independent rounding errors of relative size u move it by about
+u/sqrt(n) only, but rounding is not all independent, so the tolerance is max(FLOOR, SPREAD/sqrt(n)),
+both measured (TOLERANCE). The sums are compared too where both are far from zero against the norms
+(|mean| at least half the root-mean-square: a tensor mostly of one sign), where rounding moves their
+ratio about as little; elsewhere a sum is a cancellation, whose ratio means nothing.
+
+A ratio's deviation is max(r, 1/r) - 1, the same for a factor s and 1/s; a sum that changed sign is
+infinitely off. Both sides float64: no check, as the fp64 thresholds (1e-16) already fail any factor
+beyond 1 +- 1.4e-8.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from megalign.compare.metrics import StatsMetrics, TensorMetrics
+
+# precision -> (FLOOR, SPREAD), from SmolLM2-135M, transformers against megatron-core (bench/calibrate.py,
+# README "Verdicts on a real model"); the deviations seen stay under 0.48 (fp32) and 0.69 (bf16) of them.
+# fp32: parameter gradients deviate up to 3.2e-4 on the 576-element norm weights (the massive-activation
+# channel), 1.9e-5 on 553k-element matrices; deviation*sqrt(n) reaches 0.014 -> SPREAD 0.03, FLOOR 1e-5.
+# A factor 1.001 fails on every tensor over 900 elements.
+# bf16: rounding is far from independent: norm weights deviate up to 0.26 (576 elements), the matrices up
+# to 0.077 at TP=3 (553k elements; megatron's bf16 gradients there are 2.6% smaller as a whole), the
+# 28M-element embedding 0.024 -> SPREAD 9 (0.375 at 576 elements), FLOOR 0.12. A factor 1.5 fails on
+# every matrix; 1.05 is within what bf16 rounding does between the two stacks, and passes.
+TOLERANCE = {"fp32": (1e-5, 0.03), "bf16": (0.12, 9.0)}
+ONE_SIGNED = 0.5  # |mean| / rms from which a tensor's sum is compared
+
+
+@dataclass
+class Scale:
+    norm_ratio: float  # |B| / |A|
+    sum_ratio: Optional[float]  # sum(B) / sum(A) where both are far from zero, else None
+    tolerance: float  # the deviation either ratio may have
+    off: bool
+
+    def note(self) -> str:
+        sums = f", sum ratio {self.sum_ratio:.6g}" if self.sum_ratio is not None else ""
+        return f"rescaled: norm ratio B/A {self.norm_ratio:.6g}{sums}, tolerance ±{self.tolerance:.2g}"
+
+
+def tolerance(precision: str, n: int) -> float:
+    floor, spread = TOLERANCE[precision]
+    return max(floor, spread / math.sqrt(max(n, 1)))
+
+
+def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetrics]) -> Optional[Scale]:
+    """The scale check of a pair of `n` elements each (values, or --stats-only summaries); None at fp64."""
+    if precision not in TOLERANCE:
+        return None
+    sums = (metrics.sum_a, metrics.sum_b) if isinstance(metrics, TensorMetrics) else \
+        (metrics.mean_a * n, metrics.mean_b * n)
+    norm_ratio, sum_ratio = ratios(n, (metrics.norm_a, metrics.norm_b), sums)
+    limit = tolerance(precision, n)
+    off = any(not (deviation(r) <= limit) for r in (norm_ratio, sum_ratio) if r is not None)
+    return Scale(norm_ratio=norm_ratio, sum_ratio=sum_ratio, tolerance=limit, off=off)
+
+
+def ratios(n: int, norms: tuple[float, float], sums: tuple[float, float]) -> tuple[float, Optional[float]]:
+    """B/A of the norms, and of the sums where both are far from zero (else None)."""
+    one_signed = all(abs(s) >= ONE_SIGNED * math.sqrt(n) * norm for s, norm in zip(sums, norms))
+    return _ratio(*norms), _ratio(*sums) if one_signed else None
+
+
+def deviation(ratio: float) -> float:
+    return max(ratio, 1 / ratio) - 1 if ratio > 0 else math.inf
+
+
+def _ratio(a: float, b: float) -> float:
+    if a == 0:
+        return 1.0 if b == 0 else math.inf
+    return b / a

@@ -1,0 +1,434 @@
+"""Compare two sources tensor by tensor and decide which tensors diverged.
+
+Entries are matched by (kind, name); a plain tensor file has no kinds, so its tensors match the
+first tensor of the same name on the other side (in execution order: a forward activation before
+the gradient of the same name). Rows come in the execution order of A (B's order for tensors only
+in B). Pairs are compared on a thread pool: torch's kernels release the GIL, and only the pairs
+being worked on are in memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from megalign.compare import absent
+from megalign.compare.buffers import BufferPool
+from megalign.compare.entries import Entry, Source, Value
+from megalign.compare.fused import Sums
+from megalign.compare.lineup import line_up
+from megalign.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetrics, TensorMetrics,
+                                                logprob_metrics, metrics_of, pair_sums, routing_metrics, stats_metrics,
+                                                tensor_metrics)
+from megalign.compare.reference import ReferenceVerdict, check_reference, judge
+from megalign.compare.scale import Scale, check_scale
+from megalign.compare.thresholds import Thresholds, precision_of, run_precision
+from megalign.dump.stats import TensorStats
+from megalign.errors import UserError, compile_pattern
+
+# Statuses. A tensor on one side only (ONLY_A / ONLY_B) was never compared, so it fails, unless the
+# op map between stacks and attention kernels expects it there (absent.py) or the user allowed it
+# (--allow-missing): then Row.allowed says which, and the summary counts it. One that could not be
+# reassembled was never compared either: it fails unless the user allowed it (--allow-skipped), when
+# it is SKIPPED and named in the summary. A tensor set APART (lineup.py: positions, not tokens, under
+# differently packed batches) is counted.
+PASS, FAIL, SHAPE_MISMATCH = "pass", "fail", "shape_mismatch"
+ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_reassemblable", "skipped", "apart"
+FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
+BY_OP_MAP, BY_PATTERN = "cross-stack op map", "--allow-missing"  # Row.allowed of a one-sided row
+# Pairs with a side over STREAM_BYTES are compared WINDOW_BYTES of rows at a time (verdict._streamed).
+STREAM_BYTES, WINDOW_BYTES = 64 << 20, 16 << 20
+
+
+@dataclass
+class Row:
+    index: int
+    kind: str
+    name: str
+    layer: Optional[int]
+    status: str = PASS
+    threshold: Optional[float] = None
+    shape_a: Optional[list[int]] = None
+    shape_b: Optional[list[int]] = None
+    dtype_a: Optional[str] = None
+    dtype_b: Optional[str] = None
+    dtype_mismatch: bool = False
+    metrics: Union[TensorMetrics, StatsMetrics, None] = None
+    logprobs: Optional[LogprobMetrics] = None
+    routing: Optional[RoutingMetrics] = None  # a router's expert choices: agreement, not a difference
+    replica_diff_a: Optional[float] = None  # the largest relative difference of a replica to the copy placed
+    replica_diff_b: Optional[float] = None
+    reference: Optional[ReferenceVerdict] = None  # with --reference: each side's distance to R, and which is off
+    scale: Optional[Scale] = None  # the norms' (and sums') ratio B/A, judged where a default threshold applies
+    allowed: Optional[str] = None  # ONLY_A / ONLY_B: BY_OP_MAP or BY_PATTERN, else None (the row fails)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failing(self) -> bool:
+        return self.status in FAILING or (self.status in (ONLY_A, ONLY_B) and self.allowed is None)
+
+    @property
+    def nonfinite_in_both(self) -> bool:
+        """NaN/Inf on both sides at the same positions: agreement, but rarely a sane run."""
+        m = self.metrics
+        return m is not None and bool(m.nan_a or m.nan_b or m.inf_a or m.inf_b) and not m.nonfinite_mismatch
+
+
+@dataclass
+class Summary:
+    compared: int
+    passed: int
+    failed: int
+    shape_mismatch: int
+    only_a: int
+    only_b: int
+    missing_a: int  # of only_a: those not allowed, which fail
+    missing_b: int
+    allowed_by_op_map: int  # one-sided rows the op map expects (absent.py)
+    allowed_by_pattern: int  # one-sided rows --allow-missing names
+    not_reassemblable: int
+    skipped: int
+    apart: int
+    first_divergence: Optional[str]  # "kind name" of the first failing row, in execution order
+    # The first router whose choices differ: a cause of its own, before the numeric drift it brings.
+    first_routing_flip: Optional[str]
+    first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
+    nonfinite_in_both: list[str]  # "kind name" of rows with NaN/Inf at the same positions on both sides
+
+    @property
+    def ok(self) -> bool:
+        return not (self.failed or self.shape_mismatch or self.not_reassemblable or self.missing_a or self.missing_b)
+
+
+@dataclass
+class Report:
+    a: Source
+    b: Source
+    rows: list[Row]
+    summary: Summary
+    first_divergence: Optional[int]  # index into rows
+
+
+@dataclass
+class _Pair:
+    kind: str
+    name: str
+    a: Optional[Entry]
+    b: Optional[Entry]
+
+
+class NothingCompared(UserError):
+    """A comparison that compared no tensor proves nothing: exit 2, with the reason."""
+
+
+def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
+                    workers: Optional[int] = None, allow_skipped: Optional[str] = None,
+                    reference: Optional[Source] = None, allow_missing: Optional[str] = None,
+                    strict_nonfinite: bool = False) -> Report:
+    """Compare every tensor of the two sources; NothingCompared when not one pair was compared.
+    With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds.
+    `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
+    a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
+    pattern = compile_pattern("--filter", name_filter) if name_filter else None
+    skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None
+    missable = compile_pattern("--allow-missing", allow_missing) if allow_missing else None
+    matched = match_entries(a, b)
+    pairs = [p for p in matched if pattern is None or pattern.search(p.name)]
+    if not pairs:
+        raise NothingCompared(f"--filter {name_filter!r} matches none of the {len(matched)} tensors: nothing compared")
+    if reference is not None:
+        check_reference(reference, a, b)
+    comparison = _Comparison(a, b, thresholds, reference, pairs, missable, strict_nonfinite)
+    workers = workers or os.cpu_count() or 1
+    # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
+    # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            rows = list(pool.map(lambda ip: comparison.row(*ip), enumerate(pairs)))
+    finally:
+        torch.set_num_threads(torch_threads)
+    for row in rows:
+        if row.status == NOT_REASSEMBLABLE and skippable is not None and skippable.search(row.name):
+            row.status = SKIPPED
+    first = next((row.index for row in rows if row.failing), None)
+    report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first), first_divergence=first)
+    _check_something_compared(report)
+    return report
+
+
+def _check_something_compared(report: Report) -> None:
+    s = report.summary
+    if s.compared or s.shape_mismatch or s.not_reassemblable:
+        return  # a shape mismatch or an unreassemblable tensor is a verdict (exit 1), not bad input
+    if s.skipped:
+        raise NothingCompared(f"every shared tensor ({s.skipped}) is not reassemblable and allowed by "
+                              "--allow-skipped: nothing compared")
+    raise NothingCompared(f"A and B share no tensor ({s.only_a} only in A, {s.only_b} only in B): nothing compared; "
+                          "are they runs of the same model?")
+
+
+def match_entries(a: Source, b: Source) -> list[_Pair]:
+    kindless = any(e.kind is None for e in a.entries + b.entries)
+    key = (lambda e: e.name) if kindless else (lambda e: (e.kind, e.name))
+    in_b: dict = {}
+    for entry in sorted(b.entries, key=lambda e: e.order):
+        in_b.setdefault(key(entry), entry)  # kindless: the first of a name in execution order
+    pairs, matched = [], set()
+    for entry in sorted(a.entries, key=lambda e: e.order):
+        other = in_b.get(key(entry))
+        if other is not None and id(other) in matched:
+            other = None
+        if other is not None:
+            matched.add(id(other))
+        pairs.append((entry.order, _pair(entry, other)))
+    pairs += [(e.order, _pair(None, e)) for e in b.entries if id(e) not in matched]
+    pairs.sort(key=lambda p: p[0])  # stable: B-only tensors fall in place by B's own order
+    return [p for _, p in pairs]
+
+
+def _pair(a: Optional[Entry], b: Optional[Entry]) -> _Pair:
+    kind = (a.kind if a else None) or (b.kind if b else None) or "tensor"
+    return _Pair(kind=kind, name=(a or b).name, a=a, b=b)
+
+
+class _Comparison:
+    """What every row of one comparison needs: the sources, the thresholds, the reference, the inputs."""
+
+    def __init__(self, a: Source, b: Source, thresholds: Thresholds, reference: Optional[Source], pairs: list[_Pair],
+                 missable: Optional[re.Pattern], strict_nonfinite: bool):
+        self.a, self.b, self.thresholds, self.reference = a, b, thresholds, reference
+        self.missable, self.strict_nonfinite = missable, strict_nonfinite
+        self.tokens = _input(self.a, self.b, "tokens")  # to name the token at the worst logprob position
+        self.loss_mask = _input(self.a, self.b, "loss_mask")
+        self.in_reference = {(e.kind, e.name): e for e in self.reference.entries} if self.reference else {}
+        self.kinds_a, self.kinds_b = {e.kind for e in self.a.entries}, {e.kind for e in self.b.entries}
+        # Enough for the largest pair compared whole, and at least the largest tensor's size, so that
+        # many cores compare many pairs side by side while memory stays within twice the largest tensor.
+        largest = max((e.nbytes or 0 for p in pairs for e in (p.a, p.b) if e is not None), default=0)
+        self.buffers = BufferPool(max(largest, *map(self._lease_bytes, pairs), 0))
+
+    def row(self, index: int, pair: _Pair) -> Row:
+        layer = pair.a.layer if pair.a else pair.b.layer
+        row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
+        if pair.a is None or pair.b is None:
+            entry = pair.a or pair.b
+            other_kinds = self.kinds_b if pair.b is None else self.kinds_a
+            why = absent.reason(entry.kind, pair.name, other_kinds)
+            row.notes += [why] if why else []
+            if absent.op_map(entry.kind, pair.name, other_kinds):
+                row.allowed = BY_OP_MAP
+            elif self.missable is not None and self.missable.search(pair.name):
+                row.allowed = BY_PATTERN
+            return _one_side(row, pair)
+        apart = pair.a.apart or pair.b.apart
+        if apart:
+            row.status, row.shape_a, row.shape_b = APART, pair.a.shape, pair.b.shape
+            row.notes.append(apart)
+            return row
+        window = self._window(pair)
+        if window:
+            return self._streamed(row, pair, window)
+        with self.buffers.lease(pair.a.nbytes, pair.b.nbytes) as (buffer_a, buffer_b):
+            return self._compare(row, pair, _load(pair.a, buffer_a), _load(pair.b, buffer_b))
+
+    def _lease_bytes(self, pair: _Pair) -> int:
+        """What a pair leases: both sides whole, or a window of each, where they are read into buffers."""
+        if pair.a is None or pair.b is None or pair.a.apart or pair.b.apart:
+            return 0
+        window = self._window(pair)
+        if window:
+            return (pair.a.nbytes + pair.b.nbytes) * window // pair.a.shape[0]
+        return (pair.a.nbytes or 0) + (pair.b.nbytes or 0)
+
+    def _window(self, pair: _Pair) -> int:
+        """Rows of dim 0 a window holds when the pair is compared a window at a time, else 0: big
+        tensors whose rows are only compared element by element (no logprobs, routing or reference)."""
+        a, b = pair.a, pair.b
+        if a is None or b is None or a.apart or b.apart or not (a.nbytes and b.nbytes) or \
+                max(a.nbytes, b.nbytes) < STREAM_BYTES or a.shape != b.shape or not a.shape or \
+                pair.kind in ("logprobs", "routing") or (pair.kind, pair.name) in self.in_reference:
+            return 0
+        return max(1, WINDOW_BYTES * a.shape[0] // max(a.nbytes, b.nbytes))
+
+    def _streamed(self, row: Row, pair: _Pair, window: int) -> Row:
+        """Compare a big pair `window` rows at a time, in two buffers of a window each: the sums of the
+        windows add up to the whole's (metrics.metrics_of), whatever the tensor's size."""
+        shape, total = pair.a.shape, Sums()
+        row_numel = math.prod(shape[1:])
+        sizes = [entry.nbytes * window // shape[0] for entry in (pair.a, pair.b)]
+        values = [Value(shape=shape, dtype=entry.dtype) for entry in (pair.a, pair.b)]
+        with self.buffers.lease(*sizes) as buffers:
+            for start in range(0, shape[0], window):
+                rows = (start, min(start + window, shape[0]))
+                x, y = (entry.load(buffer=buffer, rows=rows) for entry, buffer in zip((pair.a, pair.b), buffers))
+                for whole, part in zip(values, (x, y)):
+                    whole.problem = part.problem
+                    whole.add_replicas(part)
+                if x.problem or y.problem:
+                    break
+                total.add(pair_sums(x.tensor, y.tensor), start * row_numel)
+        return self._compare(row, pair, *values, metrics=metrics_of(total, shape))
+
+    def _compare(self, row: Row, pair: _Pair, x: Value, y: Value,
+                 metrics: Optional[TensorMetrics] = None) -> Row:
+        """The row's verdict; `metrics`: already computed (a streamed pair, whose Values hold no tensor)."""
+        row.shape_a, row.shape_b, row.dtype_a, row.dtype_b = x.shape, y.shape, x.dtype, y.dtype
+        problems = [f"{side}: {v.problem}" for side, v in (("A", x), ("B", y)) if v.problem]
+        if problems:
+            row.status = NOT_REASSEMBLABLE
+            row.notes += problems
+            return row
+        if list(x.shape) != list(y.shape):
+            row.status = SHAPE_MISMATCH
+            return row
+        precision_a, precision_b = run_precision(self.a.precision, x.dtype), run_precision(self.b.precision, y.dtype)
+        precision = precision_of(precision_a, precision_b)
+        threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision)
+        replicas_disagree = _judge_replicas(row, x, y, threshold)
+        if _is_routing_choice(pair.kind, x, y):
+            return _routing_row(row, x, y, replicas_disagree)
+        row.dtype_mismatch = x.dtype != y.dtype  # compared in float64 all the same; said once, above the table
+        for side, source, value in (("A", self.a, x), ("B", self.b, y)):
+            if pair.kind != "input" and _stored_apart(source.precision, value.dtype):  # inputs: exact anyway
+                row.notes.append(f"{side}: stored as {value.dtype} by a {source.precision} run; judged at the run's "
+                                 "precision")
+        row.threshold = threshold
+        row.metrics = metrics or _metrics(x, y)
+        if pair.kind == "logprobs" and x.tensor is not None and y.tensor is not None:
+            row.logprobs = logprob_metrics(x.tensor, y.tensor, self.tokens, self.loss_mask)
+        m = row.metrics
+        diverged = not (m.rel_diff <= row.threshold)  # NaN compares false: diverged
+        if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
+            where = "at different positions or signs" if m.nonfinite_mismatch else "at the same positions on both sides"
+            row.notes.append(f"NaN/Inf {where}: A {m.nan_a} NaN {m.inf_a} Inf, B {m.nan_b} NaN {m.inf_b} Inf")
+        r = self.in_reference.get((pair.kind, pair.name))
+        if r is not None and x.tensor is not None and y.tensor is not None:
+            truth = r.load()
+            if truth.tensor is not None and list(truth.shape) == list(x.shape):
+                row.reference = judge(pair.kind, tensor_metrics(x.tensor, truth.tensor).rel_diff,
+                                      tensor_metrics(y.tensor, truth.tensor).rel_diff, precision_a, precision_b)
+                diverged = row.reference.off is not None
+                row.threshold = None  # the reference judged this row, not a threshold
+        if row.reference is None and not self.thresholds.overrides(pair.name):
+            row.scale = check_scale(precision, math.prod(x.shape), m)
+        if row.scale is not None and row.scale.off:
+            diverged = True
+            row.notes.append(row.scale.note())
+        strict = self.strict_nonfinite and row.nonfinite_in_both
+        row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_disagree or strict else PASS
+        return row
+
+
+def _load(entry: Entry, buffer: Optional[torch.Tensor]) -> Value:
+    return entry.load() if buffer is None else entry.load(buffer=buffer)
+
+
+def _is_routing_choice(kind: str, x: Value, y: Value) -> bool:
+    return kind == "routing" and x.tensor is not None and y.tensor is not None and \
+        not x.tensor.is_floating_point() and not y.tensor.is_floating_point()
+
+
+def _routing_row(row: Row, x: Value, y: Value, replicas_disagree: bool) -> Row:
+    """Expert ids are the same or not: the row fails when a token's top-k set changed."""
+    m = row.routing = routing_metrics(x.tensor, y.tensor)
+    row.notes.append(f"routing: {m.same_set / m.tokens:.2%} of {m.tokens} tokens keep their top-k set, "
+                     f"{m.same_order / m.tokens:.2%} its order"
+                     + (f"; first flip at token {','.join(map(str, m.first_flip))}" if m.flipped else ""))
+    row.status = FAIL if m.flipped or replicas_disagree else PASS
+    return row
+
+
+def _judge_replicas(row: Row, x: Value, y: Value, threshold: float) -> bool:
+    """Whether a side's replicas disagree: a copy further from the one placed than the tensor's own
+    threshold (the relative difference of metrics.py), or NaN/Inf elsewhere. Notes the worst copy
+    of each side, and keeps its relative difference in replica_diff_a / replica_diff_b."""
+    disagree = False
+    for side, value in (("A", x), ("B", y)):
+        if not value.replicas:
+            continue
+        gaps = [(metrics_of(gap.sums, []), gap.ranks) for gap in value.replicas]
+        worst, ranks = max(gaps, key=lambda g: math.inf if g[0].nonfinite_mismatch else g[0].rel_diff)
+        rel = math.inf if worst.nonfinite_mismatch else worst.rel_diff
+        setattr(row, f"replica_diff_{side.lower()}", rel)
+        if worst.nonfinite_mismatch:
+            row.notes.append(f"{side}: replicas disagree on where NaN/Inf are ({ranks})")
+        elif not rel <= threshold:
+            row.notes.append(f"{side}: replicas disagree ({ranks}): rel diff {rel:.3g} over the threshold")
+        elif rel:
+            row.notes.append(f"{side}: replicas differ within the threshold ({ranks}): rel diff {rel:.3g}")
+        disagree = disagree or not rel <= threshold
+    return disagree
+
+
+_NARROWER = {"bf16": 0, "fp32": 1, "fp64": 2}
+
+
+def _stored_apart(run: Optional[str], stored: str) -> bool:
+    """A floating tensor stored narrower than its run computes (bf16 in an fp32 run): worth a note. Wider
+    is the rule in bf16 runs (float32 main gradients, loss and logprobs), so it goes unsaid."""
+    floating = isinstance(getattr(torch, stored, None), torch.dtype) and getattr(torch, stored).is_floating_point
+    return bool(run) and floating and _NARROWER[precision_of(stored)] < _NARROWER[precision_of(run)]
+
+
+def _one_side(row: Row, pair: _Pair) -> Row:
+    entry = pair.a or pair.b
+    shape, dtype = entry.shape, entry.dtype
+    if shape is None:
+        value = entry.load()
+        shape, dtype = value.shape, value.dtype
+    row.status = ONLY_B if pair.a is None else ONLY_A
+    row.shape_a, row.dtype_a = (shape, dtype) if pair.a else (None, None)
+    row.shape_b, row.dtype_b = (shape, dtype) if pair.b else (None, None)
+    return row
+
+
+def _input(a: Source, b: Source, name: str) -> Optional[torch.Tensor]:
+    for source in (a, b):
+        for entry in source.entries:
+            if entry.kind == "input" and entry.name == name:
+                return entry.load().tensor
+    return None
+
+
+def _metrics(x: Value, y: Value) -> Union[TensorMetrics, StatsMetrics]:
+    if x.tensor is not None and y.tensor is not None:
+        return tensor_metrics(x.tensor, y.tensor)
+    return stats_metrics(_stats(x), _stats(y))  # a --stats-only side: compare summaries
+
+
+def _stats(value: Value) -> TensorStats:
+    return value.stats if value.stats is not None else TensorStats.of(value.tensor)
+
+
+def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
+    def count(*statuses: str) -> int:
+        return sum(1 for row in rows if row.status in statuses)
+
+    def missing(status: str) -> int:
+        return sum(1 for row in rows if row.status == status and row.allowed is None)
+
+    by_kind: dict[str, str] = {}
+    for row in rows:
+        if row.failing:
+            by_kind.setdefault(row.kind, row.name)
+
+    return Summary(compared=count(PASS, FAIL), passed=count(PASS), failed=count(FAIL),
+                   shape_mismatch=count(SHAPE_MISMATCH), only_a=count(ONLY_A), only_b=count(ONLY_B),
+                   missing_a=missing(ONLY_A), missing_b=missing(ONLY_B),
+                   allowed_by_op_map=sum(1 for row in rows if row.allowed == BY_OP_MAP),
+                   allowed_by_pattern=sum(1 for row in rows if row.allowed == BY_PATTERN),
+                   not_reassemblable=count(NOT_REASSEMBLABLE), skipped=count(SKIPPED), apart=count(APART),
+                   first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None,
+                   first_routing_flip=next((f"{row.name} ({row.routing.same_set / row.routing.tokens:.2%} of tokens "
+                                            "keep their top-k set)" for row in rows
+                                            if row.routing is not None and row.routing.flipped), None),
+                   first_failure_by_kind=by_kind,
+                   nonfinite_in_both=[f"{row.kind} {row.name}" for row in rows if row.nonfinite_in_both])

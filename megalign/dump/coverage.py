@@ -1,0 +1,35 @@
+"""Gradient coverage: a backward run whose dump would miss a parameter's gradient fails, loudly.
+
+Kept free of megatron imports so that the HF stack shares it without megatron's import cost.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megalign.errors import RunFailed
+
+
+def read_grad(param: torch.nn.Parameter, source: str = "auto") -> Optional[torch.Tensor]:
+    """`.grad`, falling back to megatron DDP's `main_grad` (where `.grad` stays None); `source` "grad"
+    or "main_grad" reads only that one (--grad-source, which keeps the classic mistakes reachable)."""
+    if source == "grad":
+        return param.grad
+    if source == "main_grad":
+        return getattr(param, "main_grad", None)
+    return param.grad if param.grad is not None else getattr(param, "main_grad", None)
+
+
+def has_gradient(grad: Optional[torch.Tensor]) -> bool:
+    """An all-zero gradient counts as missing: it is what an untouched DDP main_grad buffer holds."""
+    return grad is not None and bool(torch.any(grad != 0))
+
+
+def check_coverage(missing: list[str], total: int, source: str) -> dict:
+    """The manifest's grad_coverage record, or RunFailed naming the first parameters without a gradient."""
+    if missing:
+        raise RunFailed(f"{len(missing)} of {total} parameters have no gradient (read from {source}): "
+                        f"{', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    return {"with_grad": total, "without_grad": 0}

@@ -1,0 +1,94 @@
+"""megalign's dump format: per-rank safetensors files, a manifest per rank, and dump.json.
+
+    OUT/
+      dump.json                 what ran: stack, mode, layout, model, tokens; written last by rank 0
+      rank-00000/
+        manifest.json           every tensor record of this rank; written last, atomically
+        tensors-00000.safetensors
+        tensors-00001.safetensors ...
+
+Values live in safetensors (no pickle, memory-mappable); tensor names live only inside JSON and
+safetensors keys, never in file names. A rank folder without manifest.json, or a dump without
+dump.json, is incomplete and is refused by `Dump.open` (reader.py); writer.py writes one rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from megalign.dump.sharding import Sharding
+from megalign.dump.stats import TensorStats
+
+FORMAT = "megalign-dump"
+VERSION = 1
+DUMP_META = "dump.json"
+MANIFEST = "manifest.json"
+
+Kind = Literal["input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss", "routing"]
+KINDS: tuple[str, ...] = ("input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss",
+                          "routing")
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    """Write to a temporary file beside `path`, then rename: readers see all of it or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+def rank_dirname(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    rank: int
+    tp_rank: int = 0
+    cp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+
+
+@dataclass
+class TensorRecord:
+    kind: str
+    name: str
+    order: int
+    shape: list[int]
+    dtype: str
+    sharding: Sharding
+    module: Optional[str] = None
+    layer: Optional[int] = None
+    file: Optional[str] = None  # None for stats-only records
+    key: Optional[str] = None
+    stats: Optional[TensorStats] = None
+    # xxh3_128 of the tensor's bytes, hex: replicas with equal hashes are read once (compare/reassemble.py)
+    hash: Optional[str] = None
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "order": self.order, "shape": self.shape,
+                "dtype": self.dtype, "sharding": self.sharding.to_dict(), "module": self.module,
+                "layer": self.layer, "file": self.file, "key": self.key,
+                "stats": self.stats.to_dict() if self.stats else None, "hash": self.hash}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+
+
+_LAYER = re.compile(r"layers\.(\d+)(?:\.|$)")
+
+
+def layer_of(name: str) -> Optional[int]:
+    """The layer index in a tensor name (`decoder.layers.3.mlp` -> 3), for any stack's naming."""
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,221 @@
+"""Checking the JSON of a dump before anything is read from it: a dump may come from anywhere.
+
+Every field the reader uses is checked for its type and range, and every tensor file a record names
+must be a plain file name inside its rank folder. A malformed dump is one `UserError` naming the file
+and the field (exit 2), never a traceback, a hang, or a file read outside the dump.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from pathlib import Path
+from typing import Any, Optional
+
+from megalign.dump.format import FORMAT, KINDS, VERSION, RankCoords, TensorRecord
+from megalign.dump.sharding import BatchRow, Sharding
+from megalign.dump.stats import TensorStats
+from megalign.errors import UserError
+
+# The dtypes safetensors stores, by the names dtype_name() writes.
+DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8,
+          "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # and their sizes in bytes
+LAYOUT_AXES = ("tp", "pp", "cp")  # every dump has them; dp came later, 1 when absent
+
+
+class Malformed(UserError):
+    pass
+
+
+def _int(value: Any, where: str, low: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise Malformed(f"{where} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _optional_int(value: Any, where: str) -> Optional[int]:
+    return None if value is None else _int(value, where)
+
+
+def _str(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise Malformed(f"{where} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _dict(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise Malformed(f"{where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def check_meta(raw: Any, where: str) -> dict:
+    """dump.json: its format, version and layout; the rest is description."""
+    meta = _dict(raw, where)
+    if meta.get("format") != FORMAT:
+        raise Malformed(f"{where}: not a megalign dump (format {meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise Malformed(f"{where}: dump format version {meta.get('version')!r} is not supported "
+                        f"(this megalign reads version {VERSION})")
+    layout = _dict(meta.get("layout"), f"{where}: layout")
+    for axis in LAYOUT_AXES:
+        _int(layout.get(axis), f"{where}: layout.{axis}", low=1)
+    _int(layout.setdefault("dp", 1), f"{where}: layout.dp", low=1)
+    if not isinstance(layout.setdefault("sp", False), bool):
+        raise Malformed(f"{where}: layout.sp must be true or false")
+    world = math.prod(layout[axis] for axis in LAYOUT_AXES + ("dp",))
+    if meta.get("world_size") != world:
+        raise Malformed(f"{where}: world_size {meta.get('world_size')!r} is not the product of the layout ({world})")
+    return meta
+
+
+def check_rows(meta: dict, where: str) -> Optional[list[BatchRow]]:
+    """dump.json's `rows` (optional: dumps of other tools lack them): the batch's documents, which the
+    CP split of a packed row follows and which line a packed run up with a padded one."""
+    if meta.get("rows") is None:
+        return None
+    raw_rows = meta["rows"]
+    if not isinstance(raw_rows, list) or not raw_rows or len(raw_rows) % meta["layout"]["dp"]:
+        raise Malformed(f"{where}: rows must be a non-empty list, a multiple of layout.dp long")
+    rows = []
+    for i, raw in enumerate(raw_rows):
+        row = _dict(raw, f"{where}: rows[{i}]")
+        bounds, lengths = row.get("bounds"), row.get("lengths")
+        if not isinstance(bounds, list) or not isinstance(lengths, list) or len(lengths) != len(bounds) - 1 \
+                or not lengths:
+            raise Malformed(f"{where}: rows[{i}] must have bounds and lengths, one length per document")
+        bounds = [_int(b, f"{where}: rows[{i}].bounds") for b in bounds]
+        lengths = [_int(n, f"{where}: rows[{i}].lengths") for n in lengths]
+        sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        if bounds[0] != 0 or min(sizes) <= 0 or any(n > size for n, size in zip(lengths, sizes)):
+            raise Malformed(f"{where}: rows[{i}]: bounds must rise from 0 and each document fit its bounds")
+        rows.append(BatchRow(bounds=tuple(bounds), lengths=tuple(lengths)))
+    if len({row.bounds[-1] for row in rows}) != 1:
+        raise Malformed(f"{where}: rows have different lengths")
+    documents = sum(len(row.lengths) for row in rows)
+    if documents != meta.get("num_sequences") or len(rows) not in (documents, meta["layout"]["dp"]):
+        raise Malformed(f"{where}: rows hold {documents} documents in {len(rows)} rows, for num_sequences "
+                        f"{meta.get('num_sequences')!r} (one a row, or packed one row a DP rank)")
+    if meta.setdefault("cp_split", "document") not in ("document", "row"):
+        raise Malformed(f"{where}: cp_split must be document or row, got {meta['cp_split']!r}")
+    cp = meta["layout"]["cp"]
+    if cp > 1 and any(size % (2 * cp) for row in rows for size in _sizes(row, meta["cp_split"])):
+        raise Malformed(f"{where}: rows: a document (or row) is not a multiple of 2*cp={2 * cp} long")
+    return rows
+
+
+def _sizes(row: BatchRow, cp_split: str) -> list[int]:
+    bounds = row.bounds if cp_split == "document" else (0, row.bounds[-1])
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def check_manifest(raw: Any, where: str, rank: int, layout: dict, rank_dir: Path) -> tuple[RankCoords, list, dict]:
+    manifest = _dict(raw, where)
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise Malformed(f"{where}: not a megalign manifest of version {VERSION}")
+    if manifest.get("rank") != rank:
+        raise Malformed(f"{where}: rank {manifest.get('rank')!r} in the folder of rank {rank}")
+    coords = RankCoords(rank=rank, **{f"{axis}_rank": _int(manifest.get(f"{axis}_rank", 0), f"{where}: {axis}_rank")
+                                      for axis in LAYOUT_AXES + ("dp",)})
+    for axis in LAYOUT_AXES + ("dp",):
+        if getattr(coords, f"{axis}_rank") >= layout.get(axis, 1):
+            raise Malformed(f"{where}: {axis}_rank {getattr(coords, f'{axis}_rank')} is outside the layout's "
+                            f"{axis}={layout[axis]}")
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, list):
+        raise Malformed(f"{where}: tensors must be a list of records")
+    records = [check_record(r, f"{where}: tensors[{i}]", rank_dir) for i, r in enumerate(tensors)]
+    _no_duplicates(records, where)
+    extra = {k: v for k, v in manifest.items() if k != "tensors"}
+    return coords, records, extra
+
+
+def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
+    record = _dict(raw, where)
+    kind = record.get("kind")
+    if kind not in KINDS:
+        raise Malformed(f"{where}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
+    shape = record.get("shape")
+    if not isinstance(shape, list):
+        raise Malformed(f"{where}: shape must be a list of integers")
+    dtype = record.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is unhashable: a dict lookup would raise
+        raise Malformed(f"{where}: unknown dtype {dtype!r}")
+    file, key, stats = record.get("file"), record.get("key"), record.get("stats")
+    if file is None and stats is None:
+        raise Malformed(f"{where}: a record needs a file (values) or stats (--stats-only)")
+    shape = [_int(n, f"{where}: shape") for n in shape]
+    if file is not None:
+        # Its bytes must fit in its file: a shape claiming more would be allocated before any read.
+        check_tensor_file(_str(file, f"{where}: file"), rank_dir, where, holds=math.prod(shape) * DTYPES[dtype])
+        _str(key, f"{where}: key")
+    return TensorRecord(kind=kind, name=_str(record.get("name"), f"{where}: name"),
+                        order=_int(record.get("order"), f"{where}: order"),
+                        shape=shape, dtype=dtype,
+                        sharding=_sharding(record.get("sharding"), len(shape), where),
+                        module=record.get("module") if isinstance(record.get("module"), str) else None,
+                        layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
+                        file=file, key=key, stats=None if stats is None else _stats(stats, where),
+                        hash=_hash(record.get("hash"), where))
+
+
+def _hash(raw: Any, where: str) -> Optional[str]:
+    if raw is None:
+        return None
+    if not (isinstance(raw, str) and len(raw) == 32 and all(c in "0123456789abcdef" for c in raw)):
+        raise Malformed(f"{where}: hash must be 32 lowercase hex digits")
+    return raw
+
+
+def check_tensor_file(name: str, rank_dir: Path, where: str, holds: int = 0) -> Path:
+    """A record's file: a plain name of a regular file in its rank folder (no path, no link, no FIFO),
+    of at least `holds` bytes."""
+    if Path(name).name != name or name in (".", "..") or "/" in name or "\\" in name:
+        raise Malformed(f"{where}: file {name!r} is not a file name inside the rank folder")
+    path = rank_dir / name
+    try:
+        info = os.lstat(path)
+    except OSError:
+        raise Malformed(f"{where}: file {name!r} is missing from {rank_dir}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise Malformed(f"{where}: {path} is not a regular file")
+    if holds > info.st_size:
+        raise Malformed(f"{where}: {path} is unreadable: the shape needs {holds} bytes, more than the file holds "
+                        f"({info.st_size})")
+    return path
+
+
+def _sharding(raw: Any, ndim: int, where: str) -> Sharding:
+    raw = _dict(raw if raw is not None else {}, f"{where}: sharding")
+    sp = raw.get("sp", False)
+    if not isinstance(sp, bool):
+        raise Malformed(f"{where}: sharding.sp must be true or false")
+    sharding = Sharding(seq_dim=_optional_int(raw.get("seq_dim"), f"{where}: sharding.seq_dim"),
+                        tp_dim=_optional_int(raw.get("tp_dim"), f"{where}: sharding.tp_dim"),
+                        tp_parts=_int(raw.get("tp_parts", 1), f"{where}: sharding.tp_parts", low=1), sp=sp,
+                        dp_dim=_optional_int(raw.get("dp_dim"), f"{where}: sharding.dp_dim"))
+    if sharding.sp and (sharding.seq_dim is None or sharding.tp_dim is not None):
+        raise Malformed(f"{where}: sharding.sp needs a seq_dim and no tp_dim")
+    for dim in (sharding.seq_dim, sharding.tp_dim, sharding.dp_dim):
+        if dim is not None and dim >= ndim:
+            raise Malformed(f"{where}: sharding names dim {dim} of a {ndim}-dim tensor")
+    return sharding
+
+
+def _stats(raw: Any, where: str) -> TensorStats:
+    raw = _dict(raw, f"{where}: stats")
+    fields = TensorStats.__dataclass_fields__
+    if set(raw) != set(fields) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          for v in raw.values()):
+        raise Malformed(f"{where}: stats must hold the numbers {', '.join(fields)}")
+    return TensorStats.from_dict(raw)
+
+
+def _no_duplicates(records: list[TensorRecord], where: str) -> None:
+    orders, keys = set(), set()
+    for record in records:
+        if record.order in orders or (record.file and (record.file, record.key) in keys):
+            raise Malformed(f"{where}: duplicate record {record.kind} {record.name} (order {record.order})")
+        orders.add(record.order)
+        keys.add((record.file, record.key))

@@ -1,0 +1,274 @@
+"""Starting the workers with torch's own launcher, watching them, and landing the dump atomically.
+
+Workers write into the staging folder (staging.py), which becomes OUT only when every rank has
+finished (dump.json written after a barrier). The launcher runs in a process session of its own so
+that a timeout, Ctrl-C, SIGTERM or SIGHUP stops every worker at once; its spec file and torchrun's
+logs live in one temporary folder of megalign's, removed at the end.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from megalign.dump.format import DUMP_META
+from megalign.errors import RunFailed, UserError
+from megalign.run import events
+from megalign.run.staging import staged
+from megalign.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """torchrun's multi-node options, passed through as torchrun users expect them."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    rdzv_endpoint: Optional[str] = None
+    overwrite: bool = False
+
+
+@dataclass
+class RunResult:
+    out: Path
+    seconds: float
+    tensors: int = 0
+    bytes: int = 0
+    loss: Optional[float] = None
+    ranks: int = 0
+    landed: bool = True  # False on nodes other than 0: node 0 renames the staging folder to OUT
+
+
+@dataclass
+class _Watch:
+    """What the launcher has heard from the workers so far."""
+
+    failures: list[dict] = field(default_factory=list)
+    written: dict[int, dict] = field(default_factory=dict)
+    last_event: dict[int, str] = field(default_factory=dict)
+    log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
+
+
+def check_options(spec: RunSpec, options: LaunchOptions) -> None:
+    world = spec.layout.world_size
+    if options.nnodes < 1:
+        raise UserError(f"--nnodes must be at least 1, got {options.nnodes}")
+    if not 0 <= options.node_rank < options.nnodes:
+        raise UserError(f"--node-rank {options.node_rank} is not in [0, --nnodes {options.nnodes})")
+    if world % options.nnodes:
+        raise UserError(f"world size {world} (tp*pp*cp) is not divisible by --nnodes {options.nnodes}")
+
+
+def torchrun_command(spec: RunSpec, spec_file: Path, log_dir: Path, options: LaunchOptions) -> list[str]:
+    world = spec.layout.world_size
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world // options.nnodes}",
+               f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}", "--max-restarts=0",
+               f"--log-dir={log_dir}"]
+    if options.rdzv_endpoint:
+        command += ["--rdzv-backend=c10d", f"--rdzv-endpoint={options.rdzv_endpoint}", "--rdzv-id=megalign"]
+    elif options.master_addr or options.nnodes > 1:
+        command += [f"--master-addr={options.master_addr or '127.0.0.1'}",
+                    f"--master-port={options.master_port or 29500}"]
+    else:
+        command += ["--standalone"]  # picks a free port: parallel runs on one machine do not collide
+    return command + ["-m", "megalign.run.worker", str(spec_file)]
+
+
+def worker_env(spec: RunSpec) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if spec.device == "cuda":
+        env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    return env
+
+
+# Each unwinds like Ctrl-C, so that workers are stopped and staging is removed.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_as_interrupts() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt. After the first, the others are ignored
+    until the process exits: a second Ctrl-C would break off the cleanup (workers left running, a
+    folder half removed) or print a traceback from the exit handlers."""
+
+    def interrupt(signum, frame):
+        for sig in INTERRUPTS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in INTERRUPTS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) is interrupt:  # not once interrupted: the process is on its way out
+                signal.signal(sig, handler)
+
+
+def launch(spec: RunSpec, options: LaunchOptions, on_event: Callable[[dict], None] = lambda e: None) -> RunResult:
+    """Run the workers; return what they wrote, or raise UserError / RunFailed with the failing rank's story."""
+    check_options(spec, options)
+    started = time.monotonic()
+    owner = options.node_rank == 0
+    with staged(Path(spec.out), options.overwrite, owner) as staging, \
+            tempfile.TemporaryDirectory(prefix="megalign-") as scratch:
+        spec_file = Path(scratch) / "spec.json"
+        spec_file.write_text(replace(spec, out=str(staging)).to_json())
+        command = torchrun_command(spec, spec_file, Path(scratch) / "torchrun-logs", options)
+        watch = _run(command, worker_env(spec), spec.timeout_s, on_event)
+        if owner and not (staging / DUMP_META).is_file():
+            raise RunFailed("the workers exited without writing dump.json", details=_tail(watch))
+    return gather_result(Path(spec.out) if owner else staging, time.monotonic() - started, watch.written.values(),
+                         landed=owner)
+
+
+def gather_result(out: Path, seconds: float, written, landed: bool = True) -> RunResult:
+    """A run's result from its ranks' `written` events."""
+    result = RunResult(out=out, seconds=seconds, landed=landed)
+    for event in written:
+        result.ranks += 1
+        result.tensors += event.get("tensors", 0)
+        result.bytes += event.get("bytes", 0)
+        if event.get("loss") is not None:
+            result.loss = event["loss"]
+    return result
+
+
+# Events every rank emits at the same point of the run: under --launcher none they are gathered to
+# rank 0 with one small collective each, so that rank 0 can show every rank's progress.
+GATHERED = ("started", "forward", "backward", "written")
+
+
+def run_here(spec: RunSpec, on_event: Callable[[dict], None]) -> Optional[RunResult]:
+    """--launcher none: this process is one rank of the user's own torchrun/srun. Every rank's
+    progress reaches `on_event` on rank 0; rank 0 returns the result, the other ranks None."""
+    import torch.distributed as dist
+
+    from megalign.run.worker import run_worker
+
+    world = os.environ.get("WORLD_SIZE")
+    if not world:
+        raise UserError("--launcher none expects RANK and WORLD_SIZE from your torchrun/srun")
+    if int(world) != spec.layout.world_size:
+        raise UserError(f"WORLD_SIZE={world} but tp*pp*cp={spec.layout.world_size}")
+    rank, written = int(os.environ.get("RANK", "0")), []
+
+    def sink(event: dict) -> None:
+        heard = [event]
+        if event["event"] in GATHERED:
+            heard = [None] * int(world)
+            dist.all_gather_object(heard, event)
+        if rank == 0:
+            for one in heard:
+                on_event(one)
+                if one["event"] == "written":
+                    written.append(one)
+
+    started = time.monotonic()
+    events.set_sink(sink)
+    try:
+        run_worker(spec)
+    finally:
+        events.set_sink(events.print_line)
+    return gather_result(Path(spec.out), time.monotonic() - started, written) if rank == 0 else None
+
+
+def _run(command: list[str], env: dict, timeout_s: float, on_event: Callable[[dict], None]) -> _Watch:
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               text=True, env=env, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
+    watch = _Watch()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                line = None
+            if line is None and process.poll() is not None and lines.empty():
+                break
+            if time.monotonic() > deadline:
+                _stop(process)
+                stuck = sorted(r for r, e in watch.last_event.items() if e != "done")
+                raise RunFailed(f"timed out after {timeout_s:g} s (--timeout); all workers stopped"
+                                + (f"; ranks still running: {stuck}" if stuck else ""), details=_tail(watch))
+            if line is not None:
+                _hear(line, watch, on_event)
+    except BaseException:
+        _stop(process)
+        raise
+    if process.returncode != 0:
+        raise _failure(watch, process.returncode)
+    return watch
+
+
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+
+
+def _hear(line: str, watch: _Watch, on_event: Callable[[dict], None]) -> None:
+    event = events.parse(line)
+    if event is None:
+        watch.log.append(line)
+        return
+    watch.last_event[event["rank"]] = event["event"]
+    if event["event"] == "failed":
+        watch.failures.append(event)
+    elif event["event"] == "written":
+        watch.written[event["rank"]] = event
+    on_event(event)
+
+
+def _failure(watch: _Watch, returncode: int) -> Exception:
+    if not watch.failures:
+        return RunFailed(f"the workers failed (launcher exit code {returncode}) before reporting an error",
+                         details=_tail(watch))
+    first = watch.failures[0]  # the first to fail; the others usually fail because it left
+    if first.get("user_error"):
+        return UserError(first["error"])
+    return RunFailed(f"rank {first['rank']} failed: {first['error']}", details=first.get("traceback", ""))
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(watch: _Watch) -> str:
+    return "\n".join(list(watch.log)[-40:])
+
+
+def run_in_process(spec: RunSpec, overwrite: bool) -> RunResult:
+    """--stack hf: transformers in this process (one rank), staged and landed like a launched run."""
+    from megalign.stacks.hf.stack import run_hf
+
+    started = time.monotonic()
+    with staged(Path(spec.out), overwrite) as staging:
+        writer, loss = run_hf(replace(spec, out=str(staging)))
+    return RunResult(out=Path(spec.out), seconds=time.monotonic() - started, tensors=len(writer.records),
+                     bytes=writer.bytes_written, loss=loss, ranks=1)

@@ -1,0 +1,212 @@
+"""Where a run writes, and how its dump lands: nothing half-written, nothing of the user's lost.
+
+Workers write into `OUT.partial`, made with an exclusive mkdir and marked with a `.megalign-run`
+file naming the run (pid, host). Only when every rank has finished is it renamed to OUT, so a
+failed, killed or timed-out run leaves nothing behind, and two runs with the same --out cannot mix:
+the second finds the first's staging folder and stops with an error. A folder the user made is
+never removed: a stale `OUT.partial` is cleared only when its marker names a process of this host
+that is gone, and `--overwrite` replaces only a folder that is provably a megalign dump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+from typing import Iterator
+
+from megalign.dump.format import DUMP_META, FORMAT, MANIFEST
+from megalign.errors import UserError
+
+MARKER = ".megalign-run"
+_RANK_DIR = re.compile(r"^rank-\d{5}$")
+
+
+def staging_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def aside_dir(out: Path) -> Path:
+    """Where --overwrite moves the old dump while the new one is renamed into place."""
+    return out.with_name(f".{out.name}.megalign-replaced-{os.getpid()}")
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before anything starts, an --out that cannot be written or must not be replaced."""
+    try:
+        _check_out(out, overwrite)
+    except OSError as e:  # e.g. a name the file system cannot hold (ENAMETOOLONG)
+        raise UserError(f"--out {out}: {e.strerror}") from None
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.is_symlink():
+        # Landing renames a folder onto OUT: onto a link it would replace the link, not the dump it points to.
+        raise UserError(f"--out {out} is a symbolic link; give the folder itself ({os.path.realpath(out)})")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a folder")
+    resolved, cwd = out.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise UserError(f"--out {out} is the working folder or holds it; give a folder of its own, e.g. dumps/run1")
+    ancestor = resolved.parent  # the folders up to it are made by the run
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"--out {out}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK):
+        raise UserError(f"--out {out}: {ancestor} is not writable")
+    _check_name_length(out, ancestor)
+    staging = staging_dir(out)
+    if staging.exists() and not staging.is_dir():
+        raise UserError(f"--out {out}: {staging} exists and is not a folder; move it away")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace it (only a megalign "
+                            "dump is ever replaced)")
+        check_replaceable(out)
+
+
+def _check_name_length(out: Path, folder: Path) -> None:
+    """The folders made beside OUT have longer names than OUT's: each must fit the file system, or
+    the run would fail after its work is done."""
+    limit = os.pathconf(folder, "PC_NAME_MAX")
+    longest = max(len(os.fsencode(d.name)) for d in (staging_dir(out), aside_dir(out)))
+    if longest > limit:
+        raise UserError(f"--out {out}: the name is too long (megalign's staging folders beside it add "
+                        f"{longest - len(os.fsencode(out.name))} characters; the file system takes {limit})")
+
+
+def check_replaceable(out: Path) -> None:
+    """--overwrite removes OUT only when it is a megalign dump and holds neither the working folder nor a parent of it."""
+    resolved, cwd = out.resolve(), Path.cwd().resolve()
+    if cwd == resolved or resolved in cwd.parents:
+        raise UserError(f"--out {out} is the working folder or holds it; --overwrite will not replace it")
+    meta = _megalign_json(out / DUMP_META)
+    if meta is None:
+        raise UserError(f"--out {out} is not a megalign dump (no megalign {DUMP_META} in it); --overwrite only "
+                        "replaces megalign dumps")
+    foreign = _foreign(out, meta)
+    if foreign:
+        raise UserError(f"--out {out} is not a megalign dump (it holds {', '.join(foreign[:3])}"
+                        f"{' ...' if len(foreign) > 3 else ''}); --overwrite only replaces megalign dumps")
+
+
+def _foreign(out: Path, meta: dict) -> list[str]:
+    """Everything in OUT, at any depth, that neither its dump.json nor its ranks' manifests name:
+    a user's file inside a rank folder is theirs as much as one beside dump.json."""
+    world = meta.get("world_size")
+    foreign = []
+    for path in sorted(out.iterdir()):
+        if path.name in _own_files(DUMP_META) and _is_plain_file(path):
+            continue
+        if _RANK_DIR.match(path.name) and isinstance(world, int) and int(path.name[5:]) < world \
+                and path.is_dir() and not path.is_symlink():
+            foreign += [f"{path.name}/{name}" for name in _foreign_in_rank(path)]
+        else:
+            foreign.append(path.name)
+    return foreign
+
+
+def _foreign_in_rank(rank_dir: Path) -> list[str]:
+    manifest = _megalign_json(rank_dir / MANIFEST) or {}
+    tensors = manifest.get("tensors") if isinstance(manifest.get("tensors"), list) else []
+    named = {t["file"] for t in tensors if isinstance(t, dict) and isinstance(t.get("file"), str)}
+    ours = named | (_own_files(MANIFEST) if manifest else set())
+    return sorted(p.name for p in rank_dir.iterdir() if not (p.name in ours and _is_plain_file(p)))
+
+
+def _own_files(json_name: str) -> set[str]:
+    """A JSON file of the dump and the temporary file it is written through (format.write_json_atomic)."""
+    return {json_name, f".{json_name}.tmp"}
+
+
+def _is_plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def _megalign_json(path: Path):
+    """The JSON object in `path` when it is megalign's (its "format" says so), else None."""
+    try:
+        raw = json.loads(path.read_text()) if _is_plain_file(path) else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    return raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None
+
+
+def _claim(staging: Path) -> None:
+    """Create the staging folder exclusively; clear one left by a dead megalign run of this host."""
+    try:
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+    except OSError as e:
+        if not isinstance(e, FileExistsError):
+            raise UserError(f"cannot create {staging}: {e.strerror}") from None
+        owner = _owner(staging)
+        if owner is None:
+            raise UserError(f"{staging} exists and is not a megalign staging folder; move it away") from None
+        if owner.get("host") != socket.gethostname() or _alive(owner.get("pid")):
+            raise UserError(f"another megalign run (pid {owner.get('pid')} on {owner.get('host')}) is writing "
+                            f"{staging}; wait for it or choose another --out") from None
+        shutil.rmtree(staging)  # a crashed run of ours: its marker says so
+        staging.mkdir()
+    (staging / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+
+
+def _owner(staging: Path):
+    try:
+        owner = json.loads((staging / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _land(staging: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished staging folder to OUT. A replaced dump is moved aside first and removed
+    after, so that OUT is at every moment either the old dump or the new one."""
+    (staging / MARKER).unlink()
+    old = None
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"--out {out} was filled by something else during the run; this run's dump is "
+                            f"left in {staging}")
+        check_replaceable(out)
+        old = aside_dir(out)
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+@contextlib.contextmanager
+def staged(out: Path, overwrite: bool, owner: bool = True) -> Iterator[Path]:
+    """Yield OUT.partial to write into; rename it to OUT once the block succeeds, remove it if not.
+
+    Only the owner (node 0) creates, lands or removes the folder; other nodes' workers write into it.
+    """
+    staging = staging_dir(out)
+    if owner:
+        _claim(staging)
+    try:
+        yield staging
+    except BaseException:
+        if owner:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if owner:
+        _land(staging, out, overwrite)

@@ -1,0 +1,58 @@
+"""Input tokens: reading and checking them, and the built-in default. The batch built from them is
+stacks/batch.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megalign.errors import UserError, read_user_text
+
+# Two sequences of different lengths, so that padding and uneven CP token counts are exercised.
+DEFAULT_LENGTHS = (32, 20)
+
+
+def default_tokens(vocab_size: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def load_tokens(path: Path) -> list[list[int]]:
+    """Read `[[ids...], ...]` or `{"tokens": [[ids...], ...]}` from a JSON file."""
+    text = read_user_text(path, "tokens file")
+    try:
+        raw = json.loads(text)
+    except RecursionError:
+        raise UserError(f"tokens file {path} is nested too deeply; expected [[ids...], ...]") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"tokens file {path} is not valid JSON: {e}") from None
+    if isinstance(raw, dict):
+        raw = raw.get("tokens")
+    if isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
+        raw = [raw]
+    if not (isinstance(raw, list) and raw and all(isinstance(s, list) and s for s in raw)
+            and all(isinstance(t, int) and not isinstance(t, bool) for s in raw for t in s)):
+        raise UserError(f"tokens file {path} must hold a non-empty list of non-empty lists of integer token ids")
+    return raw
+
+
+def check_tokens(tokens: list[list[int]], vocab_size: int) -> None:
+    for i, seq in enumerate(tokens):
+        bad = [t for t in seq if not 0 <= t < vocab_size]
+        if bad:
+            raise UserError(f"sequence {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+    if all(len(seq) < 2 for seq in tokens):
+        raise UserError("no sequence has two tokens: no position has a next token to predict, so there is no "
+                        "loss and no gradient")
+
+
+def resolve_seq_len(tokens: list[list[int]], seq_len: Optional[int]) -> int:
+    longest = max(len(s) for s in tokens)
+    if seq_len is None:
+        return longest
+    if seq_len < longest:
+        raise UserError(f"--seq-len {seq_len} is shorter than the longest sequence ({longest} tokens)")
+    return seq_len

@@ -1,0 +1,199 @@
+"""One rank of a megatron-core forward or backward run: build, run the real schedule, dump.
+
+Started once per rank by torch's launcher (`python -m megalign.run.worker SPEC.json`), or
+in-process by `megalign ... --launcher none` under a user's own torchrun/srun. Progress and
+failures go to stdout as `@@megalign {json}` lines that the launcher reads (events.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+from megalign.run.events import emit, emit_failure
+from megalign.spec import RunSpec
+
+
+def run_worker(spec: RunSpec) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        _run(spec, rank)
+    except BaseException as error:  # reported to the launcher, then re-raised so that torchrun sees a failure
+        emit_failure(rank, error)
+        raise
+
+
+def _run(spec: RunSpec, rank: int) -> None:
+    if spec.device == "cpu":
+        from megalign.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
+
+        install_import_stubs()
+        apply_cpu_patches()
+    else:
+        from megalign.stacks.megatron.cpu_patches import apply_te_stand_ins
+
+        apply_te_stand_ins()
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from megalign.dump.format import RankCoords
+    from megalign.dump.meta import write_dump_meta
+    from megalign.dump.sharding import Sharding
+    from megalign.dump.writer import RankWriter
+    from megalign.stacks.batch import batch_rows, build_batch
+    from megalign.stacks.megatron.capture import ActivationCapture, LocalShape
+    from megalign.stacks.megatron.grads import collect_param_grads
+    from megalign.stacks.megatron.loss import token_loss
+    from megalign.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
+                                                          transformer_config)
+    from megalign.stacks.megatron.packing import packed_seq_params, split_packed_over_cp
+    from megalign.stacks.precision import precision
+
+    started = time.monotonic()
+    if spec.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", timeout=timedelta(seconds=spec.timeout_s))
+    layout = spec.layout
+    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp,
+                                             expert_model_parallel_size=layout.ep,
+                                             expert_tensor_parallel_size=layout.expert_tp)
+    coords = RankCoords(rank=rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                        cp_rank=parallel_state.get_context_parallel_rank(),
+                        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                        dp_rank=parallel_state.get_data_parallel_rank())
+    if layout.expert_tp == layout.tp > 1 and parallel_state.get_expert_tensor_parallel_rank() != coords.tp_rank:
+        raise RuntimeError("expert TP ranks differ from TP ranks: megalign cannot reassemble expert shards here")
+    emit("started", rank)
+
+    torch.manual_seed(spec.seed)
+    model_parallel_cuda_manual_seed(spec.seed)
+    config = transformer_config(spec)
+    model = build_model(spec, config)
+    if spec.hf:
+        from megalign.stacks.hf.checkpoint import megatron_weights, open_checkpoint
+
+        weights = megatron_weights(open_checkpoint(Path(spec.hf)))
+    else:
+        weights = seeded_weights(spec.seed, spec.model.init_method_std)
+    load_full_weights(model, spec.model, _planted_weights(weights))
+    emit("built", rank)
+    _inject_fault(rank)
+
+    backward = spec.mode == "backward"
+    rows = batch_rows(spec)
+    batch = build_batch(spec.tokens, rows).as_dict()
+    # Each DP rank takes its contiguous share of the rows, then each CP rank its chunks of those.
+    batch = {key: value.chunk(layout.dp)[coords.dp_rank] for key, value in batch.items()}
+    cp_group = parallel_state.get_context_parallel_group()
+    packed = None
+    if spec.packed:
+        row = rows[coords.dp_rank]  # one packed row a DP rank
+        batch = split_packed_over_cp(batch, row, cp_group, per_document=spec.packed_split == "document")
+        packed = packed_seq_params(row, cp_group, "cuda" if spec.device == "cuda" else "cpu")
+    elif layout.cp > 1:
+        batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    if spec.device == "cuda":
+        batch = {k: v.cuda() for k, v in batch.items()}
+    local = LocalShape(seq=batch["tokens"].shape[1], batch=batch["tokens"].shape[0], tp=layout.tp, sp=layout.sp)
+
+    writer = RankWriter(Path(spec.out), coords, stats_only=spec.stats_only, name_filter=spec.filter)
+    if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
+        for key, value in batch.items():
+            writer.add("input", key, value, Sharding(seq_dim=1, dp_dim=0))
+    if spec.routing_replay:
+        from megalign.stacks.megatron.moe import replay_routing
+
+        replay_routing(model, spec, rows, coords)  # before the capture's hooks, which then see the forced choices
+    capture = ActivationCapture(model, writer, spec.model, local, grads=backward)
+
+    if backward:
+        # Forward-only runs never wrap in DDP: its gradient buffers would be allocated for nothing.
+        # Gradients are reduced in float32, or in float64 for the fp64 reference run.
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=spec.dtype != "fp64",
+                                                   use_distributed_optimizer=spec.distributed_optimizer)
+        chunk = DistributedDataParallel(config, ddp_config, model)
+        chunk.train()
+        # The loss function normalises (--loss-norm), so finalize must not divide by the token count again.
+        config.finalize_model_grads_func = lambda chunks, num_tokens=None, **kw: finalize_model_grads(chunks)
+    else:
+        chunk = model
+        chunk.train(False)
+
+    def forward_step(data_iterator, module):
+        data = next(data_iterator)
+        losses = module(data["tokens"], data["position_ids"], attention_mask=None, labels=data["labels"],
+                        packed_seq_params=packed)
+        return losses, partial(token_loss, writer, data["loss_mask"], spec.loss_norm)
+
+    schedule = get_forward_backward_func()
+    with torch.set_grad_enabled(backward), precision(spec.dtype):
+        reduced = schedule(forward_step_func=forward_step, data_iterator=iter([batch]), model=[chunk],
+                           num_microbatches=1, seq_length=spec.seq_len, micro_batch_size=batch["tokens"].shape[0],
+                           forward_only=not backward)
+    capture.remove()
+    emit("backward" if backward else "forward", rank)
+
+    extra = {}
+    if backward:
+        extra["grad_coverage"] = collect_param_grads(chunk, model, writer, spec)
+    writer.close(extra)
+    loss = float(reduced[0]["loss"]) if reduced else None
+    emit("written", rank, tensors=len(writer.records), bytes=writer.bytes_written, loss=loss)
+    dist.barrier()
+    if rank == 0:
+        write_dump_meta(spec, elapsed_s=time.monotonic() - started, rows=[row.to_dict() for row in rows],
+                        cp_split=spec.packed_split if spec.packed else "document")
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    emit("done", rank)
+
+
+def _inject_fault(rank: int) -> None:
+    """MEGALIGN_FAULT=crash@R or hang@R makes rank R fail or hang here: how the tests check that the
+    launcher stops every worker and names the failing rank."""
+    fault = os.environ.get("MEGALIGN_FAULT", "")
+    kind, _, target = fault.partition("@")
+    if not fault or int(target or 0) != rank:
+        return
+    if kind == "crash":
+        raise RuntimeError(f"fault injected by MEGALIGN_FAULT={fault}")
+    if kind == "hang":
+        time.sleep(10 ** 6)
+
+
+def _planted_weights(weights):
+    """MEGALIGN_FAULT=perturb-router@L adds noise to layer L's router, enough to send some tokens to
+    other experts: how the tests plant a routing flip in seeded or loaded weights alike."""
+    import torch
+
+    kind, _, layer = os.environ.get("MEGALIGN_FAULT", "").partition("@")
+    if kind != "perturb-router":
+        return weights
+
+    def planted(name: str, shape: tuple):
+        value = weights(name, shape)
+        if name == f"decoder.layers.{layer}.mlp.router.weight":
+            value = value + 0.5 * value.std() * torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        return value
+
+    return planted
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit("usage: python -m megalign.run.worker SPEC.json")
+    run_worker(RunSpec.from_json(Path(argv[0]).read_text()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,304 @@
+"""Model and run configuration: dataclasses read from YAML (model) and from the CLI (run).
+
+The defaults of `ModelConfig` are the embedded tiny model, so that `megalign backward` runs on a
+laptop with no file at hand; configs/tiny.yaml spells the same values out for copying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from collections.abc import Hashable
+from typing import Literal, Optional
+
+import yaml
+
+from megalign.errors import UserError, read_user_text
+
+# megatron parameters whose rows are the vocabulary: padded when TP does not divide vocab_size.
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+# The sizes a config file must give: the defaults are the tiny model's.
+REQUIRED_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last value
+    silently, so a config would run with a value other than the one its reader sees first."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader refuses it itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, in the terms megatron-core's TransformerConfig uses."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    kv_channels: Optional[int] = None
+    vocab_size: int = 128
+    max_position_embeddings: int = 256
+    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    rotary_base: float = 10000.0
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    layernorm_epsilon: float = 1e-5
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    tie_embeddings: bool = False
+    init_method_std: float = 0.02
+    # Mixture of experts (megatron-core's MoELayer in every layer) when num_moe_experts is set.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # each expert's; default ffn_hidden_size
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a shared expert of this size, none by default
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_pre_softmax: bool = False  # softmax over all experts before the top-k (Mixtral's order)
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "none"
+    moe_aux_loss_coeff: float = 0.0
+
+    @classmethod
+    def from_yaml(cls, path: Path) -> "ModelConfig":
+        text = read_user_text(path, "config")
+        try:
+            raw = yaml.load(text, Loader=_UniqueKeyLoader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise UserError(f"config {path}{where}: not valid YAML ({problem})") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"config {path} must be a mapping of keys to values")
+        return cls.from_dict(raw, source=str(path), required=REQUIRED_KEYS)
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "config", required: tuple[str, ...] = ()) -> "ModelConfig":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(map(str, raw)) - set(fields))
+        if unknown:
+            raise UserError(f"{source}: unknown config key(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+        missing = [key for key in required if key not in raw]
+        if missing:
+            # The defaults are the tiny model's: a config that leaves out a size would silently run it.
+            raise UserError(f"{source}: missing {', '.join(missing)} (required: {', '.join(required)})")
+        if "num_attention_heads" in raw and "num_query_groups" not in raw:
+            raw = {**raw, "num_query_groups": raw["num_attention_heads"]}  # multi-head attention, as HF's default
+        config = cls(**raw)
+        config.validate(source)
+        return config
+
+    def validate(self, source: str = "config") -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or isinstance(self.kv_channels, bool)
+                                             or self.kv_channels <= 0):
+            raise UserError(f"{source}: kv_channels must be a positive integer, got {self.kv_channels!r}")
+        for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or value <= 0:
+                raise UserError(f"{source}: {name} must be a finite number > 0, got {value!r}")
+        for name in ("swiglu", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{source}: {name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.name, str) or not self.name:
+            raise UserError(f"{source}: name must be a non-empty string, got {self.name!r}")
+        if self.num_attention_heads % self.num_query_groups:
+            raise UserError(f"{source}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_query_groups={self.num_query_groups}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise UserError(f"{source}: hidden_size={self.hidden_size} is not a multiple of "
+                            f"num_attention_heads={self.num_attention_heads}; set kv_channels")
+        if self.position_embedding not in ("rope", "learned_absolute"):
+            raise UserError(f"{source}: position_embedding must be rope or learned_absolute")
+        if self.normalization not in ("RMSNorm", "LayerNorm"):
+            raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
+        self._validate_moe(source)
+
+    def _validate_moe(self, source: str) -> None:
+        if self.num_moe_experts is None:
+            return
+        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise UserError(f"{source}: moe_router_topk={self.moe_router_topk} exceeds num_moe_experts="
+                            f"{self.num_moe_experts}")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise UserError(f"{source}: moe_router_score_function must be softmax or sigmoid")
+        if self.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+            raise UserError(f"{source}: moe_router_load_balancing_type must be aux_loss, seq_aux_loss, "
+                            "global_aux_loss or none")
+        for name in ("moe_aux_loss_coeff", "moe_router_topk_scaling_factor"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value < 0):
+                raise UserError(f"{source}: {name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.moe_router_pre_softmax, bool):
+            raise UserError(f"{source}: moe_router_pre_softmax must be true or false")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_experts is not None
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """megatron splits the vocabulary evenly over TP ranks; a checkpoint's vocab need not divide."""
+        return -(-self.vocab_size // tp) * tp
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world is split: world = tp * pp * cp * dp. `sp`: sequence parallelism over the TP ranks."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sp: bool = False
+    ep: int = 1  # expert parallelism: the experts split over EP groups carved out of the TP x CP x DP ranks
+    etp: Optional[int] = None  # expert tensor parallelism; None: the same as tp (megatron's default)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def packing_multiple(self) -> int:
+        """Each packed document is padded to a multiple of this: 2*cp for CP's zigzag, times tp under SP."""
+        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
+
+    def describe(self) -> str:
+        """`tp=2 pp=1 cp=2`, with dp and sp where they are used."""
+        return f"tp={self.tp} pp={self.pp} cp={self.cp}" + (f" dp={self.dp}" if self.dp > 1 else "") + \
+            (" sp" if self.sp else "") + (f" ep={self.ep}" if self.ep > 1 else "") + \
+            (f" etp={self.etp}" if self.etp not in (None, self.tp) else "")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def expert_dp(self) -> int:
+        """The smallest --dp that gives EP x ETP enough ranks: they are carved out of TP x CP x DP."""
+        need = self.ep * self.expert_tp
+        return max(1, need // math.gcd(need, self.tp * self.cp))
+
+    def check_sizes(self) -> None:
+        """Every size at least 1: the others are divided by them (expert_dp, the CP split)."""
+        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("dp", self.dp), ("ep", self.ep),
+                           ("etp", self.expert_tp)):
+            if size < 1:
+                raise UserError(f"--{name} must be at least 1, got {size}")
+
+    def _check_experts(self, model: ModelConfig) -> None:
+        if model.is_moe and self.tp > 1 and not self.sp:
+            raise UserError("an MoE model with --tp > 1 needs --sp (megatron-core refuses MoE with tensor "
+                            "parallelism and without sequence parallelism in training)")
+        if (self.ep, self.expert_tp) == (1, self.tp):
+            return
+        if not model.is_moe:
+            raise UserError(f"--ep/--etp split experts, and the model {model.name!r} has none (set num_moe_experts)")
+        if model.num_moe_experts % self.ep:
+            raise UserError(f"--ep {self.ep} does not divide num_moe_experts={model.num_moe_experts}")
+        if self.expert_tp not in (1, self.tp):
+            raise UserError(f"--etp {self.expert_tp}: megalign runs expert tensor parallelism of 1 or --tp ({self.tp})")
+        if (self.tp * self.cp * self.dp) % (self.ep * self.expert_tp):
+            raise UserError(f"--ep {self.ep} x --etp {self.expert_tp} ranks must divide tp*cp*dp="
+                            f"{self.tp * self.cp * self.dp} (experts are split over those ranks); "
+                            f"pass --dp {self.expert_dp()}")
+
+    def check_sequences(self, sequences: int) -> None:
+        if self.dp < 1:
+            raise UserError(f"--dp must be at least 1, got {self.dp}")
+        if sequences % self.dp:
+            raise UserError(f"--dp {self.dp} does not divide the {sequences} sequences (each DP rank takes an equal "
+                            "share of them)")
+
+    def check(self, model: ModelConfig, seq_len: int, sequences: int) -> None:
+        """Raise UserError for a layout the model or the batch cannot be split into."""
+        self.check_sizes()
+        if self.sp and self.tp == 1:
+            raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
+        self._check_experts(model)
+        self.check_sequences(sequences)
+        if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
+                            f"and num_query_groups={model.num_query_groups}")
+        if model.ffn_hidden_size % self.tp:
+            raise UserError(f"--tp {self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
+        if model.num_layers % self.pp:
+            raise UserError(f"--pp {self.pp} does not divide num_layers={model.num_layers}")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * self.cp} "
+                            f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * self.cp}")
+        if self.sp and seq_len % (self.cp * self.tp):
+            raise UserError(f"sequence length {seq_len} is not divisible by cp*tp={self.cp * self.tp} (sequence "
+                            f"parallelism splits each CP rank's tokens over the TP ranks); pass --seq-len")
+        if seq_len > model.max_position_embeddings:
+            raise UserError(f"sequence length {seq_len} exceeds max_position_embeddings="
+                            f"{model.max_position_embeddings}")
+
+
+Mode = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs, written to JSON by the launcher and read by every rank."""
+
+    mode: Mode
+    out: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: Layout = field(default_factory=Layout)
+    tokens: list = field(default_factory=list)  # list of token-id lists, one per sequence
+    seq_len: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
+    seed: int = 1234
+    attention: Literal["auto", "local", "torch", "te"] = "auto"
+    loss_norm: Literal["global", "local"] = "global"
+    grad_source: Literal["auto", "grad", "main_grad", "shard"] = "auto"
+    filter: Optional[str] = None
+    stats_only: bool = False
+    timeout_s: float = 600.0
+    distributed_optimizer: bool = False  # DDP's use_distributed_optimizer: each DP rank keeps a shard of the grads
+    hf: Optional[str] = None  # a Hugging Face checkpoint folder to load instead of seeded weights
+    packed: bool = False  # THD: each DP rank's sequences packed into one row, split over CP document by document
+    packed_split: Literal["document", "row"] = "document"  # row: the classic bug, the row zigzagged as one sequence
+    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron's moe_token_dispatcher_type
+    routing_replay: Optional[str] = None  # a safetensors file of recorded expert choices to force (compare/replay.py)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunSpec":
+        raw = json.loads(text)
+        raw["model"] = ModelConfig(**raw["model"])
+        raw["layout"] = Layout(**raw["layout"])
+        return cls(**raw)

@@ -1,0 +1,188 @@
+"""`--stack hf`: the same padded batch through transformers' own model, written as a megalign dump.
+
+One process, no torchrun: transformers' eager attention, no attention mask (right padding under a
+causal mask is what megatron's run sees too), labels and loss mask from batch.build_batch, the loss
+normalised as in megatron/loss.py. Outputs and gradients with a megatron counterpart are written under the
+megatron name and layout (namemap.py), so that `megalign compare` lines them up; the rest under
+their HF names, where they show up as only-in-one-side rows.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from megalign.dump.coverage import check_coverage, has_gradient
+from megalign.dump.format import RankCoords, layer_of
+from megalign.dump.meta import package_version, write_dump_meta
+from megalign.dump.sharding import Sharding
+from megalign.dump.writer import RankWriter
+from megalign.errors import UserError
+from megalign.spec import RunSpec
+from megalign.stacks.batch import DTYPES, batch_rows, build_batch, mean_token_loss
+from megalign.stacks.hf.checkpoint import HFCheckpoint, open_checkpoint
+from megalign.stacks.hf.families import SAME, Rule
+from megalign.stacks.hf.namemap import NameMap
+from megalign.stacks.precision import precision
+
+# transformers 5's MoE block, in memory in every family: `mlp.gate` (the router) and `mlp.experts`.
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
+_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts(\.|$)")
+SEQ_FIRST = Sharding(seq_dim=0, dp_dim=1)  # megatron's layout of module outputs
+BATCH_FIRST = Sharding(seq_dim=1, dp_dim=0)  # inputs, logits, logprobs
+
+
+def run_hf(spec: RunSpec) -> tuple[RankWriter, float]:
+    """Run and write the whole dump (one rank, then dump.json) into `spec.out`; return the writer and the loss."""
+    started = time.monotonic()
+    checkpoint = open_checkpoint(Path(spec.hf))
+    model = load_model(checkpoint, spec)
+    rows = batch_rows(spec)
+    batch = build_batch(spec.tokens, rows)
+    inputs = {k: v.to(spec.device) for k, v in batch.as_dict().items()}
+    writer = RankWriter(Path(spec.out), RankCoords(rank=0), stats_only=spec.stats_only, name_filter=spec.filter)
+    for key, value in inputs.items():
+        writer.add("input", key, value, BATCH_FIRST)
+
+    backward = spec.mode == "backward"
+    capture = HFCapture(model, checkpoint.names, writer, spec.seq_len, moe=checkpoint.family.experts is not None)
+    with torch.set_grad_enabled(backward), precision(spec.dtype):
+        logits = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], use_cache=False).logits
+        writer.add("logits", "logits", logits, BATCH_FIRST)
+        labels = inputs["labels"]
+        per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        writer.add("logprobs", "logprobs", -per_token, BATCH_FIRST)
+        mask = inputs["loss_mask"]
+        loss = mean_token_loss(per_token, mask, mask.sum())
+        writer.add("loss", "loss", loss, Sharding())
+        if backward:
+            loss.backward()
+    capture.remove()
+    extra = {"grad_coverage": write_param_grads(model, checkpoint.names, writer, checkpoint.family.experts)} \
+        if backward else {}
+    writer.close(extra)
+    write_dump_meta(spec, elapsed_s=time.monotonic() - started, stack="hf", transformers=package_version("transformers"),
+                    rows=[row.to_dict() for row in rows], cp_split="document")
+    return writer, float(loss.detach())
+
+
+def load_model(checkpoint: HFCheckpoint, spec: RunSpec) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the CLI draws its own status
+    try:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint.path, attn_implementation="eager",
+                                                     dtype=DTYPES[spec.dtype], use_safetensors=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"--hf {checkpoint.path}: transformers cannot load it ({str(e).splitlines()[0]})") from None
+    return model.to(spec.device).train(False)  # eval: no dropout, as megatron's run (dropout 0)
+
+
+class HFCapture:
+    """Forward hooks on every HF module. An output with a megatron counterpart is written once all of
+    its parts are in (q, k and v for linear_qkv), joined and made sequence-first."""
+
+    def __init__(self, model: torch.nn.Module, names: NameMap, writer: RankWriter, seq_len: int, moe: bool = False):
+        self.names, self.writer, self.seq_len = names, writer, seq_len
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        # Outputs that come while a join waits for its parts (Qwen3's q_norm runs before k_proj) are
+        # written after it, in megatron's order: the fused linear_qkv runs before the q/k norms.
+        self.deferred: list[tuple] = []
+        self.handles = []
+        for name, module in model.named_modules():
+            router = _ROUTER.match(name) if moe else None
+            if router:
+                self.handles.append(module.register_forward_hook(self._routing_hook(int(router.group(1)))))
+                continue
+            if moe and _EXPERTS.match(name):
+                continue  # the experts, fused in one module: their tokens are permuted, as in megatron's
+            rule = names.rule_for_hf_module(name)
+            if not name or (rule is not None and rule.activation is None):
+                continue  # the root's output is the loss; lm_head's are the logits, written from the output
+            self.handles.append(module.register_forward_hook(self._hook(name, rule)))
+            takes = names.rule_for_hf_module(name, on="input")
+            if takes is not None:
+                self.handles.append(module.register_forward_pre_hook(self._input_hook(name, takes)))
+
+    def _hook(self, name: str, rule: Rule | None):
+        def record(module, inputs, output):
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            for index, tensor in enumerate(outputs):
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                if rule is not None and index == 0:
+                    self._part(rule, name, tensor)
+                else:
+                    self._hf_only(f"{name}#{index}" if index else name, tensor)
+
+        return record
+
+    def _routing_hook(self, layer: int):
+        """The router's (logits, weights, experts) over [b*s] tokens, written as megatron's routing records."""
+        def record(module, inputs, output):
+            logits, weights, experts = output
+            router = f"decoder.layers.{layer}.mlp.router"
+            for what, tensor in (("logits", logits), ("experts", experts), ("weights", weights)):
+                tokens = tensor.detach().view(-1, self.seq_len, tensor.shape[-1]).transpose(0, 1)  # [s, b, ...]
+                self._write(f"{router}.{what}", tokens, SEQ_FIRST, router, kind="routing")
+
+        return record
+
+    def _input_hook(self, name: str, rule: Rule):
+        def record(module, inputs):
+            self._part(rule, name, inputs[0])
+
+        return record
+
+    def _part(self, rule: Rule, name: str, tensor: torch.Tensor) -> None:
+        parts = self.pending.setdefault(rule.megatron, {})
+        parts[name] = tensor.detach().transpose(0, 1)  # HF's [b, s, ...] -> megatron's [s, b, ...]
+        if len(parts) < len(rule.hf):
+            return
+        del self.pending[rule.megatron]
+        value = self.names.join(rule, [parts[hf] for hf in rule.hf], dim=-1)
+        key = rule.megatron if rule.activation == SAME else rule.activation
+        self._write(key, value, SEQ_FIRST, rule.megatron, joined=True)
+
+    def _hf_only(self, key: str, tensor: torch.Tensor) -> None:
+        seq_dim = 1 if tensor.ndim > 1 and tensor.shape[1] == self.seq_len else None
+        self._write(key, tensor, Sharding(seq_dim=seq_dim, dp_dim=0 if seq_dim is not None else None), key.split("#")[0])
+
+    def _write(self, key: str, tensor: torch.Tensor, sharding: Sharding, module: str, joined: bool = False,
+               kind: str = "activation") -> None:
+        # Everything deferred came after the join's first part: the join goes first.
+        self.deferred.insert(0 if joined else len(self.deferred), (kind, key, tensor, sharding, module))
+        if self.pending:
+            return
+        for kind, key, tensor, sharding, module in self.deferred:
+            self.writer.add(kind, key, tensor, sharding, module=module, layer=layer_of(module))
+        self.deferred = []
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter, experts=None) -> dict:
+    """Gradients joined into megatron's parameters (fused QKV, fused gate/up); HF-only ones as they are.
+    MoE experts, fused in memory, are first cut into the checkpoint's per-expert tensors."""
+    grads = {name: param.grad for name, param in model.named_parameters()}
+    coverage = check_coverage([name for name, grad in grads.items() if not has_gradient(grad)], len(grads), ".grad")
+    if experts is not None:
+        grads = {key: value for name, grad in grads.items()
+                 for key, value in experts.checkpoint_grads(name, grad, layer_of(name)).items()}
+    used = set()
+    for megatron, (rule, parts) in names.params().items():
+        value = names.join(rule, [grads[p] for p in parts], dim=0)
+        writer.add("param_grad", megatron, value, Sharding(), module=megatron.rsplit(".", 1)[0],
+                   layer=layer_of(megatron), stable=True)
+        used.update(parts)
+    for name in (n for n in grads if n not in used):
+        writer.add("param_grad", name, grads[name], Sharding(), module=name.rsplit(".", 1)[0], layer=layer_of(name),
+                   stable=True)
+    return coverage

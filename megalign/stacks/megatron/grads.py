@@ -1,0 +1,71 @@
+"""Parameter gradients after backward, with a coverage check so that an empty dump cannot pass.
+
+Under megatron's DDP the gradient lives in `param.main_grad` and `param.grad` is None: a dumper
+that reads only `.grad` writes nothing. Reading `.grad` and falling back to `main_grad` is right
+for both wrapped and bare models; `--grad-source grad` keeps the classic mistake reachable.
+
+With the distributed optimizer, DDP reduce-scatters each gradient bucket over the DP (x CP) ranks:
+each rank holds the reduced values of its shard only, the rest of the buffer its own unreduced
+gradients. The shards are all-gathered back into the buckets, so that every `main_grad` (a view into
+them) holds the full gradient; `--grad-source shard` reads only the rank's own shard, the other
+classic mistake, and coverage then names the parameters that lie outside it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+from megalign.dump.coverage import check_coverage, has_gradient, read_grad
+from megalign.dump.writer import RankWriter
+from megalign.spec import RunSpec
+from megalign.stacks.megatron.model import (global_name, is_duplicate_embedding, layer_index,
+                                                      param_grad_layout, param_sharding)
+
+
+def gather_sharded_grads(ddp) -> None:
+    """All-gather the distributed optimizer's reduced shards into every gradient bucket."""
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        ranks = group.intra_distributed_optimizer_instance_group
+        for bucket in group.buckets:
+            mine = shard_buffer(bucket.grad_data, ranks.size())[ranks.rank()].clone()
+            dist.all_gather_into_tensor(bucket.grad_data, mine, group=ranks)
+
+
+def shard_grads(ddp) -> dict:
+    """param -> its gradient, for the parameters that lie wholly in this rank's shard of their bucket."""
+    held = {}
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        ranks = group.intra_distributed_optimizer_instance_group
+        for bucket in group.buckets:
+            size = bucket.grad_data.numel() // ranks.size()
+            low, high = ranks.rank() * size, (ranks.rank() + 1) * size
+            held.update({param: param.main_grad for param, (start, end) in bucket.param_to_index.items()
+                         if low <= start and end <= high})
+    return held
+
+
+def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, writer: RankWriter, spec: RunSpec) -> dict:
+    """Dump every parameter's gradient; raise RunFailed naming the first parameters without one.
+    `chunk` is the DDP-wrapped `model`."""
+    held = None
+    if spec.distributed_optimizer:
+        if spec.grad_source == "shard":
+            held = shard_grads(chunk)
+        else:
+            gather_sharded_grads(chunk)
+    missing, present = [], 0
+    for local, param in model.named_parameters():
+        name = global_name(model, local)
+        if is_duplicate_embedding(name, param):
+            continue  # the first stage dumps the word embeddings' gradient after finalize's all-reduce
+        grad = held.get(param) if held is not None else read_grad(param, spec.grad_source)
+        if not has_gradient(grad):
+            missing.append(name)
+            continue
+        present += 1
+        grad, sharding = param_grad_layout(spec.model, name, grad, param_sharding(spec.model, name, param))
+        writer.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], layer=layer_index(name),
+                   stable=True)
+    return check_coverage(missing, len(missing) + present, spec.grad_source)

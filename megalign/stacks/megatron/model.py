@@ -1,0 +1,256 @@
+"""Building megatron-core's GPTModel for one rank, with weights that do not depend on the layout.
+
+Weights are drawn per parameter from a generator seeded by (seed, global parameter name) at the
+parameter's full, unsharded shape and then sliced to this rank's TP shard, so TP=1, TP=2, PP=2 and
+CP=N all hold the same numbers. `load_full_weights` is the one place a full tensor becomes a shard;
+checkpoint loading goes through it too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import zlib
+from dataclasses import replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megalign.dump.sharding import Sharding
+from megalign.errors import UserError
+from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec
+from megalign.stacks.batch import DTYPES
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?=\.|$)")
+
+
+def transformer_config(spec: RunSpec) -> TransformerConfig:
+    model, layout, dtype = spec.model, spec.layout, DTYPES[spec.dtype]
+    return TransformerConfig(
+        num_layers=model.num_layers, hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,
+        normalization=model.normalization, layernorm_epsilon=model.layernorm_epsilon,
+        gated_linear_unit=model.swiglu, activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear, add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
+        init_method_std=model.init_method_std,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp, sequence_parallel=layout.sp,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=False,
+        # The loss function normalises (see loss.py), so megatron must neither average nor rescale.
+        calculate_per_token_loss=True,
+        **_moe_config(spec),
+        # Fusions go through torch.compile (about 20 s cold) and are not what is being compared.
+        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+
+
+def _moe_config(spec: RunSpec) -> dict:
+    model = spec.model
+    if not model.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=model.num_moe_experts, moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden_size,
+        moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+        moe_router_score_function=model.moe_router_score_function, moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type, moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=spec.moe_dispatcher, expert_model_parallel_size=spec.layout.ep,
+        expert_tensor_parallel_size=spec.layout.expert_tp,
+        moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+        moe_enable_routing_replay=spec.routing_replay is not None,
+    )
+
+
+def attention_backend(spec: RunSpec) -> str:
+    """Resolve --attention auto: TE on CUDA when installed, megatron's local attention at CP=1 (unpacked), else ours."""
+    if spec.attention != "auto":
+        return spec.attention
+    if spec.device == "cuda" and _has_transformer_engine():
+        return "te"
+    return "local" if spec.layout.cp == 1 and not spec.packed else "torch"
+
+
+def _has_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def layer_spec(spec: RunSpec, config: TransformerConfig):
+    backend = attention_backend(spec)
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.model.qk_layernorm)
+    layer = get_gpt_layer_local_spec(num_experts=spec.model.num_moe_experts, moe_grouped_gemm=False,
+                                     qk_layernorm=spec.model.qk_layernorm, normalization=spec.model.normalization)
+    if backend == "torch":
+        from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
+
+        layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
+    if not spec.layout.sp:
+        return layer
+    # The norms in the sequence-parallel region (the layers' and the final one) mark their weights for
+    # finalize_model_grads' all-reduce over TP; the block is spelled out to reach the final norm.
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megalign.stacks.megatron.norm import SequenceParallelNorm
+
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelNorm)
+
+
+def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
+    vocab = spec.model.padded_vocab_size(spec.layout.tp)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec(spec, config), vocab_size=vocab,
+        max_sequence_length=spec.model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.model.tie_embeddings,
+        position_embedding_type=spec.model.position_embedding, rotary_base=spec.model.rotary_base,
+        parallel_output=True,
+    )
+    if spec.device == "cuda":
+        model.cuda(torch.cuda.current_device())
+    if vocab > spec.model.vocab_size and model.post_process:
+        model.output_layer.register_forward_hook(_mask_vocab_padding(spec.model.vocab_size))
+    return model
+
+
+def _mask_vocab_padding(vocab_size: int):
+    """Padded vocab entries get -inf logits, so that the softmax (and the loss) sees only the real vocab."""
+
+    def hook(module, inputs, output):
+        logits, bias = output
+        shard = logits.shape[-1]
+        first = parallel_state.get_tensor_model_parallel_rank() * shard
+        padding = torch.arange(first, first + shard, device=logits.device) >= vocab_size
+        return logits.masked_fill(padding, float("-inf")), bias
+
+    return hook
+
+
+def logits_layout(model_config: ModelConfig, sharding: Sharding):
+    """How logits are dumped: batch-first [b, s, vocab], cut back to the real vocab when it is padded.
+    Returns (sharding, view)."""
+    batch_first = Sharding(seq_dim=1, dp_dim=0 if sharding.dp_dim is not None else None)
+    if not _vocab_padded(model_config):
+        return replace(batch_first, tp_dim=sharding.tp_dim), lambda t: t.transpose(0, 1)
+    return batch_first, lambda t: real_vocab(t, model_config.vocab_size, dim=-1).transpose(0, 1)
+
+
+def param_grad_layout(model_config: ModelConfig, name: str, grad: torch.Tensor, sharding: Sharding):
+    """A parameter gradient as dumped: the vocab parameters' padded rows cut off. Returns (grad, sharding)."""
+    if name not in VOCAB_PARAMS or not _vocab_padded(model_config):
+        return grad, sharding
+    return real_vocab(grad, model_config.vocab_size, dim=0), Sharding()
+
+
+def _vocab_padded(model_config: ModelConfig) -> bool:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return model_config.padded_vocab_size(tp) != model_config.vocab_size
+
+
+def real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
+    """Gather a vocab-split tensor over TP and drop the padding: uneven shards would not reassemble,
+    so the result is the whole tensor, a replica on every TP rank."""
+    shards = [torch.empty_like(shard) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
+    torch.distributed.all_gather(shards, shard.detach().contiguous(),
+                                 group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=dim).narrow(dim, 0, vocab_size)
+
+
+def global_name(model: GPTModel, local_name: str) -> str:
+    """`decoder.layers.<i>` counts from 0 on every PP stage, and `local_experts.<j>` from 0 on every
+    EP rank: give both their global index (experts as `experts.<e>`)."""
+    match = _LAYER.match(local_name)
+    if not match:
+        return local_name
+    layer = model.decoder.layers[int(match.group(1))]
+    name = f"decoder.layers.{layer.layer_number - 1}" + local_name[match.end():]
+    expert = _LOCAL_EXPERT.search(name)
+    if expert:
+        local_experts = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        index = parallel_state.get_expert_model_parallel_rank() * local_experts + int(expert.group(1))
+        name = f"{name[:expert.start()]}.mlp.experts.{index}{name[expert.end():]}"
+    return name
+
+
+def layer_index(name: str):
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Parameter) -> Sharding:
+    """megatron marks TP-split parameters with `tensor_model_parallel` and `partition_dim`; an expert's
+    (`allreduce` False) are split over the expert TP ranks, which are the TP ranks or (ETP=1) none."""
+    if not getattr(param, "tensor_model_parallel", False) or _tp_size(param) == 1:
+        return Sharding()
+    fused = 2 if model_config.swiglu and ".linear_fc1." in name else 1
+    return Sharding(tp_dim=param.partition_dim, tp_parts=fused)
+
+
+def is_duplicate_embedding(name: str, param: torch.nn.Parameter) -> bool:
+    """With tied embeddings under PP, the last stage holds a copy of the word embeddings."""
+    return name == "output_layer.weight" and getattr(param, "shared_embedding", False) and not \
+        parallel_state.is_pipeline_first_stage()
+
+
+def load_full_weights(model: GPTModel, model_config: ModelConfig, full: Callable[[str, tuple], torch.Tensor]) -> None:
+    """Set every parameter from `full(global_name, full_shape)`, sliced to this rank's TP shard."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for local, param in model.named_parameters():
+            name = global_name(model, local)
+            if is_duplicate_embedding(name, param):
+                name = "embedding.word_embeddings.weight"
+            sharding = param_sharding(model_config, name, param)
+            tp_size = _tp_size(param)
+            shape = list(param.shape)
+            if sharding.tp_dim is not None:
+                shape[sharding.tp_dim] *= tp_size
+            value = full(name, tuple(shape))
+            if tuple(value.shape) != tuple(shape):
+                raise UserError(f"weight {name}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
+            if sharding.tp_dim is not None:
+                value = tp_shard(value, sharding, tp_rank, tp_size)
+            param.copy_(value.to(param.dtype))
+
+
+def _is_expert(param: torch.nn.Parameter) -> bool:
+    return getattr(param, "allreduce", True) is False
+
+
+def _tp_size(param: torch.nn.Parameter) -> int:
+    if _is_expert(param):
+        return parallel_state.get_expert_tensor_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def tp_shard(full: torch.Tensor, sharding: Sharding, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's slice of a full tensor: the inverse of sharding.merge_tp."""
+    parts = full.chunk(sharding.tp_parts, dim=sharding.tp_dim)
+    return torch.cat([p.chunk(tp_size, dim=sharding.tp_dim)[tp_rank] for p in parts], dim=sharding.tp_dim)
+
+
+def seeded_weights(seed: int, std: float) -> Callable[[str, tuple], torch.Tensor]:
+    """Random weights keyed by name: N(0, std) for matrices and biases, 1 + N(0, std) for norm scales."""
+
+    def full(name: str, shape: tuple) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        value = torch.randn(shape, generator=generator) * std
+        if "norm" in name.split(".")[-2] and name.endswith(".weight") or name.endswith("layer_norm_weight"):
+            value += 1.0
+        return value
+
+    return full
