@@ -33,6 +33,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: merged keys may be overridden by the mapping's own, as YAML says
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, Hashable):
                 continue  # SafeLoader refuses it itself

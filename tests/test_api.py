@@ -163,3 +163,17 @@ def test_dumper_leaves_nothing_on_failure_and_refuses_a_second_writer(tmp_path):
     with pytest.raises(ValueError, match="kind 'weights'"), megalign.Dumper(tmp_path / "other") as dumper:
         dumper.add("weights", "w", torch.ones(1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_dumper_dump_is_judged_at_its_widest_float_dtype(tmp_path):
+    """A bf16 mask beside fp32 activations: dump.json said bf16 (the narrowest), and every tensor got
+    bf16's thresholds, so an activation 10% off passed. The widest float dtype is the run's."""
+    h = torch.linspace(-1, 1, 64)
+    for name, scale in (("a", 1.0), ("b", 1.1)):
+        with megalign.Dumper(tmp_path / name) as dumper:
+            dumper.add("activation", "h", h * scale)
+            dumper.add("input", "mask", torch.ones(8, dtype=torch.bfloat16))
+    assert megalign.open(tmp_path / "a").meta["dtype"] == "fp32"
+    result = invoke("compare", tmp_path / "a", tmp_path / "b")
+    assert result.exit_code == 1, result.output
+    assert invoke("compare", tmp_path / "a", tmp_path / "a").exit_code == 0

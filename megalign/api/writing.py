@@ -122,7 +122,9 @@ class Dumper:
         def land() -> None:
             kinds = {record.kind for record in self._writer.records}
             floats = [_PRECISIONS[r.dtype] for r in self._writer.records if r.dtype in _PRECISIONS]
-            dtype = next((p for p in ("bf16", "fp16", "fp32", "fp64") if p in floats), None)
+            # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
+            # must not loosen every tensor to bf16 (a 10% error passed).
+            dtype = next((p for p in ("fp64", "fp32", "bf16", "fp16") if p in floats), "fp32")
             write_meta(staging_dir(self.out), "python",
                        "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                        self.layout, self._world, {"dtype": dtype, "stats_only": False, "steps": self._steps})

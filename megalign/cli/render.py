@@ -102,15 +102,22 @@ class Cell:
 def print_table(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], fmt: str,
                 highlight: Optional[int] = None, narrowing: Sequence[Step] = ()) -> None:
     """Print `rows` as `fmt` (table, plain or markdown); `highlight` is the index of a row to mark;
-    `narrowing`: the steps a terminal table takes, in order, while it is too wide."""
-    if fmt == "table":
-        widths = _fit(columns, rows, console.width, narrowing)
+    `narrowing`: the steps a terminal table takes, in order, while it is too wide. A terminal too
+    narrow for the table after every step gets plain text, whose long lines it wraps: rich would
+    squeeze the columns further and split numbers."""
+    widths = _fit(columns, rows, console.width, narrowing) if fmt == "table" else []
+    if fmt == "table" and _width(widths) <= console.width:
         console.print(_rich_table(columns, rows, widths, highlight))
         _footnotes(columns, rows, widths)
     elif fmt == "markdown":
         print(_markdown(columns, rows))
     else:
         print(_plain(columns, rows))
+
+
+def _width(widths: Sequence[Optional[int]]) -> int:
+    kept = [w for w in widths if w is not None]
+    return sum(kept) + GAP * (len(kept) - 1)
 
 
 def _fit(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], width: int,
@@ -121,8 +128,7 @@ def _fit(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], width: int,
     widths: list[Optional[int]] = [max(map(cell_len, t)) for t in texts]
     headers = [column.header for column in columns]
     for header, step in narrowing:
-        kept = [w for w in widths if w is not None]
-        excess = sum(kept) + GAP * (len(kept) - 1) - width
+        excess = _width(widths) - width
         if excess <= 0:
             break
         i = headers.index(header)

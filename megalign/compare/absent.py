@@ -9,36 +9,57 @@ be on one side only. Any other tensor on one side only fails the comparison (ver
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Optional
 
-REASONS: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(pattern), reason) for pattern, reason in (
-    (r"core_attention\.(scale_mask_softmax|attention_dropout)$",
+from megalign.compare.entries import Source
+
+# (pattern, what must differ between the two sides for it to be one-sided, reason). "stack": only a
+# dump of another stack lacks it; "kernel": another stack, or another attention kernel, lacks it.
+# Between two dumps of one stack and kernel, every tensor is on both sides, or the comparison fails.
+REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), scope, reason)
+                                                         for pattern, scope, reason in (
+    (r"core_attention\.(scale_mask_softmax|attention_dropout)$", "kernel",
      "inside megatron's local attention; other attention kernels do not expose it"),
-    (r"self_attn#1$", "HF's attention probabilities; megatron's local attention has them inside core_attention"),
-    (r"(^rotary_pos_emb|rotary_emb(#\d+)?)$", "the RoPE table: each stack lays it out its own way"),
-    (r"^embedding\.embedding_dropout$", "megatron's embedding dropout (off); its output is the `embedding` row"),
-    (r"^embedding\.word_embeddings$", "megatron's batch-first lookup; the `embedding` row holds the same values"),
-    (r"^decoder$", "megatron's decoder block: its output is the `decoder.final_layernorm` row"),
-    (r"mlp\.act_fn$", "SiLU(gate) alone, fused into SwiGLU by megatron; SwiGLU's output is linear_fc2#input"),
+    (r"self_attn#1$", "stack", "HF's attention probabilities; megatron's local attention has them inside core_attention"),
+    (r"(^rotary_pos_emb|rotary_emb(#\d+)?)$", "stack", "the RoPE table: each stack lays it out its own way"),
+    (r"^embedding\.embedding_dropout$", "stack", "megatron's embedding dropout (off); its output is the `embedding` row"),
+    (r"^embedding\.word_embeddings$", "stack",
+     "megatron's batch-first lookup; the `embedding` row holds the same values"),
+    (r"^decoder$", "stack", "megatron's decoder block: its output is the `decoder.final_layernorm` row"),
+    (r"mlp\.act_fn$", "stack", "SiLU(gate) alone, fused into SwiGLU by megatron; SwiGLU's output is linear_fc2#input"),
 ))
 
 
-def reason(kind: Optional[str], name: str, other_kinds: set[Optional[str]]) -> Optional[str]:
-    """The note of a tensor on one side only. `other_kinds`: the kinds the other side holds at all
-    (None: a plain tensor file, which does not say)."""
-    expected = op_map(kind, name, other_kinds)
-    if expected is None and kind is not None and None not in other_kinds and kind not in other_kinds:
+@dataclass(frozen=True)
+class Sides:
+    """What the op map needs to know of a one-sided tensor's two sources."""
+
+    other_kinds: set  # the kinds the other side holds at all (None: a plain tensor file, which does not say)
+    other_stack: Optional[str]
+    differ: frozenset  # "stack" and/or "kernel": what differs between the sides (unknown counts as differing)
+
+    @classmethod
+    def of(cls, this: Source, other: Source) -> "Sides":
+        stacks_differ = this.stack is None or this.stack != other.stack
+        kernels_differ = stacks_differ or this.kernel is None or this.kernel != other.kernel
+        return cls(other_kinds={e.kind for e in other.entries}, other_stack=other.stack,
+                   differ=frozenset({"stack"} if stacks_differ else set()) | ({"kernel"} if kernels_differ else set()))
+
+
+def reason(kind: Optional[str], name: str, sides: Sides) -> Optional[str]:
+    """The note of a tensor on one side only."""
+    expected = op_map(kind, name, sides)
+    if expected is None and kind is not None and None not in sides.other_kinds and kind not in sides.other_kinds:
         return f"the other side has no {kind} tensors at all"
     return expected
 
 
-def op_map(kind: Optional[str], name: str, other_kinds: set[Optional[str]]) -> Optional[str]:
+def op_map(kind: Optional[str], name: str, sides: Sides) -> Optional[str]:
     """Why the op map expects this tensor on one side only, if it does."""
-    if kind == "activation_grad" and "activation_grad" not in other_kinds and "param_grad" in other_kinds:
-        # A backward (it has parameter gradients) without activation gradients: transformers' stack,
-        # which hooks no module's backward. A forward dump has neither: its missing gradients fail.
+    if kind == "activation_grad" and sides.other_stack == "hf" and "activation_grad" not in sides.other_kinds:
         return "the other side's stack dumps no activation gradients (transformers)"
-    for pattern, text in REASONS:
-        if pattern.search(name):
+    for pattern, scope, text in REASONS:
+        if scope in sides.differ and pattern.search(name):
             return text
     return None

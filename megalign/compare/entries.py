@@ -87,6 +87,10 @@ class Source:
     weights: Optional[str] = None  # where the weights came from ("seed 1234", "a checkpoint") where recorded
     rows: Optional[list[BatchRow]] = None  # the batch's documents where the format records them
     dump: Optional[Dump] = None  # the megalign dump read (dump.json, manifests), for the Python API
+    # Which stack and attention kernel made it, where the format records them (absent.py: the op map
+    # excuses a submodule only between stacks or kernels that differ in it).
+    stack: Optional[str] = None
+    kernel: Optional[str] = None
 
 
 def phase(kind: Optional[str]) -> int:

@@ -27,6 +27,7 @@ BLOCK = 4096  # elements whose maximum is taken before the running one: the argm
 # Fast sums of squares at least this large have their largest terms, and any difference down to
 # 1e-120 of them, in float64's normal range: no underflow to rescale for.
 SMALLEST = 2.0 ** -600
+MIN_EXP = -1021  # the smallest scale exponent: 2^1021 is finite
 NO_EXP = -(1 << 20)  # the scale exponent of sums over zeros only: any other range's scale wins
 
 
@@ -113,7 +114,9 @@ def _careful(x, y):  # pragma: no cover - compiled
         a, b = np.float64(x[i]), np.float64(y[i])
         if math.isfinite(a) and math.isfinite(b):
             top = max(top, abs(a), abs(b))
-    exp = math.frexp(top)[1] if top > 0.0 else NO_EXP
+    # At least MIN_EXP: 2^-exp of a subnormal maximum (exp down to -1073) would overflow to inf, and
+    # inf * 0 make the sums NaN; scaled by 2^1021, subnormals square far above underflow.
+    exp = max(math.frexp(top)[1], MIN_EXP) if top > 0.0 else NO_EXP
     inv = math.ldexp(1.0, -exp) if top > 0.0 else 1.0
     xx = yy = dd = abs_diff = sx = sy = 0.0
     best, index = -1.0, -1

@@ -120,6 +120,9 @@ def routing_metrics(x: torch.Tensor, y: torch.Tensor) -> RoutingMetrics:
 
 
 def rel_diff_of_sums(sum_sq_diff: float, sum_sq: float) -> float:
+    """0 only where both sides are all zeros; sums that are NaN stay NaN, which fails the row."""
+    if math.isnan(sum_sq_diff) or math.isnan(sum_sq):
+        return math.nan
     return sum_sq_diff / sum_sq if sum_sq > 0 else 0.0
 
 

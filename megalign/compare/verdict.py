@@ -209,7 +209,7 @@ class _Comparison:
         self.tokens = _input(self.a, self.b, "tokens")  # to name the token at the worst logprob position
         self.loss_mask = _input(self.a, self.b, "loss_mask")
         self.in_reference = {(e.kind, e.name): e for e in self.reference.entries} if self.reference else {}
-        self.kinds_a, self.kinds_b = {e.kind for e in self.a.entries}, {e.kind for e in self.b.entries}
+        self.sides_a, self.sides_b = absent.Sides.of(a, b), absent.Sides.of(b, a)  # seen from a row of A / of B
         # Enough for the largest pair compared whole, and at least the largest tensor's size, so that
         # many cores compare many pairs side by side while memory stays within twice the largest tensor.
         largest = max((e.nbytes or 0 for p in pairs for e in (p.a, p.b) if e is not None), default=0)
@@ -220,10 +220,10 @@ class _Comparison:
         row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
         if pair.a is None or pair.b is None:
             entry = pair.a or pair.b
-            other_kinds = self.kinds_b if pair.b is None else self.kinds_a
-            why = absent.reason(entry.kind, pair.name, other_kinds)
+            sides = self.sides_a if pair.b is None else self.sides_b
+            why = absent.reason(entry.kind, pair.name, sides)
             row.notes += [why] if why else []
-            if absent.op_map(entry.kind, pair.name, other_kinds):
+            if absent.op_map(entry.kind, pair.name, sides):
                 row.allowed = BY_OP_MAP
             elif self.missable is not None and self.missable.search(pair.name):
                 row.allowed = BY_PATTERN

@@ -69,3 +69,16 @@ def test_the_table_fits_the_terminal_and_cuts_nothing(report, width, tmp_path):
 
 def _shape_text(row: dict) -> str:
     return "x".join(map(str, row["shape_a"])) if row["shape_a"] else "scalar"
+
+
+def test_a_terminal_too_narrow_for_any_table_gets_plain_text(report, tmp_path):
+    """At 60 columns no narrowing step is enough: rich squeezed the columns and split numbers
+    (0.00012 as "0.0001" over "2"). Plain text is printed instead, every cell whole on its line."""
+    out = tmp_path / "r.jsonl"
+    result = invoke("compare", *report, "--format", "table", "--json", out, env={"COLUMNS": "60"})
+    assert result.exit_code == 1, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()[:-1]]
+    lines = result.output.splitlines()
+    for i, r in enumerate(rows):
+        line = next(line for line in lines if line.split()[:1] == [str(i)] and r["name"] in line.split())
+        assert f"{r['metrics']['rel_diff']:.3g}" in line.split() and _shape_text(r) in line.split()

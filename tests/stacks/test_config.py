@@ -27,6 +27,21 @@ def test_unknown_key_is_named():
         ModelConfig.from_dict({"num_layer": 2})
 
 
+def test_a_yaml_merge_key_may_be_overridden_but_a_key_given_twice_is_refused(tmp_path):
+    """`<<: *base` then a key of the mapping's own is YAML's override, not a duplicate (refused once by
+    mistake); the same key written twice is."""
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("sizes: &sizes {hidden_size: 64, ffn_hidden_size: 128}\n"
+                      "model:\n  <<: *sizes\n  hidden_size: 32\n")
+    import yaml
+
+    from megalign.spec import _UniqueKeyLoader
+
+    assert yaml.load(merged.read_text(), Loader=_UniqueKeyLoader)["model"] == {"hidden_size": 32, "ffn_hidden_size": 128}
+    with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key 'hidden_size'"):
+        yaml.load("hidden_size: 64\nhidden_size: 32\n", Loader=_UniqueKeyLoader)
+
+
 def test_every_cpu_patch_target_still_exists_in_megatron_core():
     """Fails loudly when a megatron-core upgrade moves what a CPU patch replaces."""
     for patch in PATCHES:

@@ -52,7 +52,13 @@ def _open(path: Path) -> Source:
                    + (", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
-                  weights=_weights(meta), rows=dump.rows, dump=dump)
+                  weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"), kernel=_kernel(meta))
+
+
+def _kernel(meta: dict) -> str:
+    """The attention kernel as far as dump.json tells: `auto` picks by CP size and device (README)."""
+    attention, cp = meta.get("attention"), (meta.get("layout") or {}).get("cp", 1)
+    return f"{attention} cp{'>1' if cp != 1 else '=1'} {meta.get('device')}" if attention == "auto" else str(attention)
 
 
 def _weights(meta: dict) -> Optional[str]:
