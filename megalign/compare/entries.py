@@ -14,7 +14,7 @@ import torch
 
 from megalign.compare.fused import Sums
 from megalign.dump.reader import Dump
-from megalign.dump.sharding import BatchRow
+from megalign.dump.layout import BatchRow
 from megalign.dump.stats import TensorStats
 
 # Execution order: forward tensors, then activation gradients (in backward order), then the

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalign.dump.sharding import BatchRow
+from megalign.dump.layout import BatchRow
 from megalign.errors import UserError
 from megalign.spec import RunSpec
 

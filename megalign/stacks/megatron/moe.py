@@ -16,7 +16,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from safetensors.torch import load_file
 
 from megalign.dump.format import RankCoords
-from megalign.dump.sharding import BatchRow, cp_positions
+from megalign.dump.layout import BatchRow, cp_positions, cp_split_bounds
 from megalign.spec import RunSpec
 from megalign.stacks.megatron.model import global_name
 
@@ -53,8 +53,7 @@ def _local_tokens(choices: torch.Tensor, spec: RunSpec, rows: list[BatchRow], co
     mine = choices[:, coords.dp_rank * per_rank:(coords.dp_rank + 1) * per_rank]
     if layout.cp > 1:
         row = rows[coords.dp_rank * per_rank]
-        bounds = row.bounds if spec.packed and spec.packed_split == "document" else (0, spec.seq_len)
-        mine = mine.index_select(0, cp_positions(bounds, coords.cp_rank, layout.cp))
+        mine = mine.index_select(0, cp_positions(cp_split_bounds(row, spec.cp_split), coords.cp_rank, layout.cp))
     if layout.sp:
         mine = mine.chunk(layout.tp)[coords.tp_rank]
     return mine.reshape(-1, choices.shape[-1]).contiguous()
