@@ -2,6 +2,7 @@
 compare) both need, each stated once.
 
 - Rows: a batch row is a padded sequence or a packed (THD) row of documents (`BatchRow`).
+- DP: each DP rank takes a contiguous, equal share of the rows (`dp_rows`).
 - CP split: each CP rank holds two zigzag chunks (of 2*cp) of every piece the row is cut into: of
   every document of a packed row split document by document, else of the whole row
   (`cp_split_bounds`, `cp_bounds`, `cp_positions`).
@@ -30,6 +31,13 @@ class BatchRow:
 
     def to_dict(self) -> dict:
         return {"bounds": list(self.bounds), "lengths": list(self.lengths)}
+
+
+def dp_rows(rows: int, dp: int, dp_rank: int) -> slice:
+    """The rows of the batch (or sequences, before packing) a DP rank takes: its contiguous, equal
+    share, in dp_rank order (Layout.check_sequences makes dp divide them)."""
+    per_rank = rows // dp
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
 def cp_split_bounds(row: BatchRow, cp_split: str = "document") -> tuple[int, ...]:

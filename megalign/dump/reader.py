@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import torch
 
 from megalign.dump.format import DUMP_META, MANIFEST, RankCoords, TensorRecord, dtype_name, rank_dirname
-from megalign.dump.layout import BatchRow, cp_split_bounds
+from megalign.dump.layout import BatchRow, cp_split_bounds, dp_rows
 from megalign.dump.tensorfile import Location, TensorFiles, read_into
 from megalign.dump.validate import check_manifest, check_meta, check_rows, check_tensor_file
 from megalign.errors import UserError
@@ -69,7 +69,7 @@ class Dump:
         document), or None (the whole row is one sequence)."""
         if self.rows is None:
             return None
-        row = self.rows[dp_rank * len(self.rows) // self.layout()["dp"]]
+        row = self.rows[dp_rows(len(self.rows), self.layout()["dp"], dp_rank)][0]
         bounds = cp_split_bounds(row, self.meta.get("cp_split"))
         return bounds if len(bounds) > 2 else None
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalign.dump.layout import BatchRow, cp_bounds, cp_positions, cp_split_bounds, zigzag_chunks, zigzag_positions
+from megalign.dump.layout import (BatchRow, cp_bounds, cp_positions, cp_split_bounds, dp_rows, zigzag_chunks,
+                                  zigzag_positions)
 from megalign.dump.sharding import merge_cp
 
 PACKED = BatchRow(bounds=(0, 8, 12, 24), lengths=(7, 4, 9))  # three documents, padded to multiples of 4
@@ -58,3 +59,16 @@ def test_the_ranks_hold_every_position_once_and_merge_cp_undoes_the_split(cp_spl
     full = torch.arange(48 * 2).view(2, 48)
     parts = [full.index_select(1, where) for where in held]
     assert torch.equal(merge_cp(parts, dim=1, bounds=bounds if cp_split == "document" else None), full)
+
+
+def test_each_dp_rank_takes_its_contiguous_equal_share_of_the_rows():
+    assert [dp_rows(8, 4, rank) for rank in range(4)] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    assert dp_rows(3, 1, 0) == slice(0, 3)
+    assert dp_rows(2, 2, 1) == slice(1, 2)  # packed: one row a DP rank
+
+
+@pytest.mark.parametrize("rows, dp", [(8, 2), (6, 3), (4, 4), (5, 1)])
+def test_the_dp_shares_are_what_chunking_the_batch_gives(rows, dp):
+    batch = torch.arange(rows * 3).view(rows, 3)
+    for rank, chunk in enumerate(batch.chunk(dp)):
+        assert torch.equal(batch[dp_rows(rows, dp, rank)], chunk)
