@@ -72,3 +72,15 @@ def test_the_dp_shares_are_what_chunking_the_batch_gives(rows, dp):
     batch = torch.arange(rows * 3).view(rows, 3)
     for rank, chunk in enumerate(batch.chunk(dp)):
         assert torch.equal(batch[dp_rows(rows, dp, rank)], chunk)
+
+
+def test_kinds_are_one_list_and_every_kind_table_names_only_kinds():
+    from megalign.compare.entries import PHASES
+    from megalign.compare.reference import BUDGET
+    from megalign.compare.thresholds import DEFAULTS
+    from megalign.dump.format import KINDS, Kind
+
+    assert KINDS == tuple(Kind) == ("input", "activation", "activation_grad", "param_grad", "logits", "logprobs",
+                                    "loss", "routing")
+    for table in (PHASES, *BUDGET.values(), *DEFAULTS.values()):
+        assert set(table) <= set(KINDS)
