@@ -295,6 +295,11 @@ class RunSpec:
     moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron's moe_token_dispatcher_type
     routing_replay: Optional[str] = None  # a safetensors file of recorded expert choices to force (compare/replay.py)
 
+    @property
+    def cp_split(self) -> str:
+        """How each row is cut for CP (dump.layout.CP_SPLITS): a padded row is one document."""
+        return self.packed_split if self.packed else "document"
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 

@@ -17,6 +17,7 @@ from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
 from megalign.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                                 SKIPPED, Report, Row, compare_sources)
+from megalign.dump.format import Kind
 from megalign.errors import UserError
 from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural, print_table, reader_may_leave,
                                  resolve_format,
@@ -166,7 +167,7 @@ COLUMNS = (Column("#", right=True), Column("kind"), Column("name", wraps=True), 
 NARROWING = (("note", FOLD), ("note", DROP), ("thr", DROP), ("name", 40), ("max abs diff @ index", FOLD),
              ("status", FOLD), ("shape", FOLD), ("name", FOLD))
 
-_KIND_LABEL = {"activation": "act", "activation_grad": "act_grad"}
+_KIND_LABEL = {Kind.ACTIVATION: "act", Kind.ACTIVATION_GRAD: "act_grad"}
 
 
 def _cells(row: Row, first: bool) -> list[Cell]:

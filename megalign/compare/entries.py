@@ -14,13 +14,13 @@ import torch
 
 from megalign.compare.fused import Sums
 from megalign.dump.reader import Dump
-from megalign.dump.sharding import BatchRow
+from megalign.dump.format import Kind
+from megalign.dump.layout import BatchRow
 from megalign.dump.stats import TensorStats
 
-# Execution order: forward tensors, then activation gradients (in backward order), then the
-# parameter gradients that the optimizer step would see.
-PHASES = {"input": 0, "activation": 0, "routing": 0, "logits": 0, "logprobs": 0, "loss": 0, "param": 0,
-          "activation_grad": 1, "param_grad": 2}
+# Execution order: forward tensors (every other kind, and foreign ones: phase 0), then activation
+# gradients (in backward order), then the parameter gradients that the optimizer step would see.
+PHASES = {Kind.ACTIVATION_GRAD: 1, Kind.PARAM_GRAD: 2}
 
 
 @dataclass

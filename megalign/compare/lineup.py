@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from megalign.compare.entries import Entry, Source, Value
-from megalign.dump.sharding import BatchRow
+from megalign.dump.layout import BatchRow
 
 APART = "a sequence dim without a batch dim: not lined up between differently packed or padded batches"
 

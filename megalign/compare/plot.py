@@ -17,8 +17,10 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from megalign.compare.verdict import Report  # noqa: E402
+from megalign.dump.format import Kind  # noqa: E402
 
-SERIES = (("activation", "activations"), ("activation_grad", "activation grads"), ("param_grad", "param grads"))
+SERIES = ((Kind.ACTIVATION, "activations"), (Kind.ACTIVATION_GRAD, "activation grads"),
+          (Kind.PARAM_GRAD, "param grads"))
 FLOOR = 1e-20
 
 

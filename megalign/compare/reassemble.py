@@ -30,7 +30,7 @@ from megalign.compare.fused import Sums
 from megalign.compare.metrics import pair_sums
 from megalign.dump.format import TensorRecord
 from megalign.dump.reader import Dump, RankManifest
-from megalign.dump.sharding import cp_positions
+from megalign.dump.layout import cp_bounds, cp_positions
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import read_into
 
@@ -121,7 +121,7 @@ def _runs(shard: Shard, layout: dict, bounds, split_tp: bool, split_cp: bool, sp
     if split_cp:
         dim = sharding.seq_dim
         piece = shape[dim] * (layout["tp"] if sharding.sp else 1)
-        positions = cp_positions(bounds or (0, piece * layout["cp"]), c.cp_rank, layout["cp"]).tolist()
+        positions = cp_positions(cp_bounds(bounds, piece, layout["cp"]), c.cp_rank, layout["cp"]).tolist()
         runs[dim] = _through(runs.get(dim, [(0, 0, shape[dim])]), positions)
     if split_dp:
         size = shape[sharding.dp_dim]

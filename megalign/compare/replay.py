@@ -17,7 +17,7 @@ import torch
 from megalign.compare.entries import Entry, Value
 from megalign.compare.lineup import real_tokens, token_index
 from megalign.compare.sources import open_source
-from megalign.dump.sharding import BatchRow
+from megalign.dump.layout import BatchRow
 from megalign.errors import UserError
 
 CHOICES = (".experts", ".weights")

@@ -19,7 +19,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from enum import StrEnum
+from typing import Optional
 
 import torch
 
@@ -31,9 +32,20 @@ VERSION = 1
 DUMP_META = "dump.json"
 MANIFEST = "manifest.json"
 
-Kind = Literal["input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss", "routing"]
-KINDS: tuple[str, ...] = ("input", "activation", "activation_grad", "param_grad", "logits", "logprobs", "loss",
-                          "routing")
+class Kind(StrEnum):
+    """What a dumped tensor is (a record's `kind`, compare's report): the one list of kinds."""
+
+    INPUT = "input"
+    ACTIVATION = "activation"
+    ACTIVATION_GRAD = "activation_grad"
+    PARAM_GRAD = "param_grad"
+    LOGITS = "logits"
+    LOGPROBS = "logprobs"
+    LOSS = "loss"
+    ROUTING = "routing"
+
+
+KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:

@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import torch
 
 from megalign.dump.format import DUMP_META, MANIFEST, RankCoords, TensorRecord, dtype_name, rank_dirname
-from megalign.dump.sharding import BatchRow
+from megalign.dump.layout import BatchRow, cp_split_bounds, dp_rows
 from megalign.dump.tensorfile import Location, TensorFiles, read_into
 from megalign.dump.validate import check_manifest, check_meta, check_rows, check_tensor_file
 from megalign.errors import UserError
@@ -67,10 +67,11 @@ class Dump:
     def cp_bounds(self, dp_rank: int) -> Optional[tuple[int, ...]]:
         """Where a DP rank's row was cut for the CP split: at its documents (packed rows split per
         document), or None (the whole row is one sequence)."""
-        if self.rows is None or self.meta.get("cp_split") != "document":
+        if self.rows is None:
             return None
-        row = self.rows[dp_rank * len(self.rows) // self.layout()["dp"]]
-        return row.bounds if len(row.bounds) > 2 else None
+        row = self.rows[dp_rows(len(self.rows), self.layout()["dp"], dp_rank)][0]
+        bounds = cp_split_bounds(row, self.meta.get("cp_split"))
+        return bounds if len(bounds) > 2 else None
 
     def records(self) -> Iterator[tuple[RankManifest, TensorRecord]]:
         for rank in self.ranks:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megalign.dump.format import FORMAT, KINDS, VERSION, RankCoords, TensorRecord
-from megalign.dump.sharding import BatchRow, Sharding
+from megalign.dump.layout import CP_SPLITS, BatchRow, cp_split_bounds
+from megalign.dump.sharding import Sharding
 from megalign.dump.stats import TensorStats
 from megalign.errors import UserError
 
@@ -100,7 +101,7 @@ def check_rows(meta: dict, where: str) -> Optional[list[BatchRow]]:
     if documents != meta.get("num_sequences") or len(rows) not in (documents, meta["layout"]["dp"]):
         raise Malformed(f"{where}: rows hold {documents} documents in {len(rows)} rows, for num_sequences "
                         f"{meta.get('num_sequences')!r} (one a row, or packed one row a DP rank)")
-    if meta.setdefault("cp_split", "document") not in ("document", "row"):
+    if meta.setdefault("cp_split", "document") not in CP_SPLITS:
         raise Malformed(f"{where}: cp_split must be document or row, got {meta['cp_split']!r}")
     cp = meta["layout"]["cp"]
     if cp > 1 and any(size % (2 * cp) for row in rows for size in _sizes(row, meta["cp_split"])):
@@ -109,7 +110,7 @@ def check_rows(meta: dict, where: str) -> Optional[list[BatchRow]]:
 
 
 def _sizes(row: BatchRow, cp_split: str) -> list[int]:
-    bounds = row.bounds if cp_split == "document" else (0, row.bounds[-1])
+    bounds = cp_split_bounds(row, cp_split)
     return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
 
 

@@ -47,6 +47,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megalign.dump.format import RankCoords
+    from megalign.dump.layout import cp_split_bounds, dp_rows
     from megalign.dump.meta import write_dump_meta
     from megalign.dump.sharding import Sharding
     from megalign.dump.writer import RankWriter
@@ -93,12 +94,13 @@ def _run(spec: RunSpec, rank: int) -> None:
     rows = batch_rows(spec)
     batch = build_batch(spec.tokens, rows).as_dict()
     # Each DP rank takes its contiguous share of the rows, then each CP rank its chunks of those.
-    batch = {key: value.chunk(layout.dp)[coords.dp_rank] for key, value in batch.items()}
+    mine = dp_rows(len(rows), layout.dp, coords.dp_rank)
+    batch = {key: value[mine] for key, value in batch.items()}
     cp_group = parallel_state.get_context_parallel_group()
     packed = None
     if spec.packed:
-        row = rows[coords.dp_rank]  # one packed row a DP rank
-        batch = split_packed_over_cp(batch, row, cp_group, per_document=spec.packed_split == "document")
+        (row,) = rows[mine]  # one packed row a DP rank
+        batch = split_packed_over_cp(batch, cp_split_bounds(row, spec.cp_split), cp_group)
         packed = packed_seq_params(row, cp_group, "cuda" if spec.device == "cuda" else "cpu")
     elif layout.cp > 1:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
@@ -152,7 +154,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     dist.barrier()
     if rank == 0:
         write_dump_meta(spec, elapsed_s=time.monotonic() - started, rows=[row.to_dict() for row in rows],
-                        cp_split=spec.packed_split if spec.packed else "document")
+                        cp_split=spec.cp_split)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     emit("done", rank)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalign.dump.sharding import BatchRow
+from megalign.dump.layout import BatchRow, dp_rows
 from megalign.errors import UserError
 from megalign.spec import RunSpec
 
@@ -71,8 +71,9 @@ def packed_length(tokens: list[list[int]], rows: int, multiple: int) -> int:
 
 
 def _shares(tokens: list[list[int]], rows: int):
-    per_row = len(tokens) // rows
-    return [(first, tokens[first:first + per_row]) for first in range(0, len(tokens), per_row)]
+    """(first sequence, sequences) of each row: a DP rank's share of the sequences, packed into one row."""
+    shares = [dp_rows(len(tokens), rows, rank) for rank in range(rows)]
+    return [(share.start, tokens[share]) for share in shares]
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -16,7 +16,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from megalign.dump.sharding import cp_positions
+from megalign.dump.layout import cp_bounds, cp_positions
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -70,7 +70,7 @@ class ZigzagCPAttention(MegatronModule):
         cp = self.cp_group.size() if self.cp_group is not None else 1
         rank = self.cp_group.rank() if cp > 1 else 0
         local_len = query.shape[0]
-        bounds = _document_bounds(packed_seq_params) if packed else (0, local_len * cp)
+        bounds = cp_bounds(_document_bounds(packed_seq_params) if packed else None, local_len, cp)
         q_pos = cp_positions(bounds, rank, cp, device=query.device)
         k_pos = q_pos
         if cp > 1:

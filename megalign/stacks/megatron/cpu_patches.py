@@ -110,11 +110,13 @@ class _HostStream(torch.cpu.Stream):
 def _cpu_rope_cp_slice():
     from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
 
+    from megalign.dump.layout import zigzag_chunks
+
     def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
         if cp_group is None:
             raise ValueError("cp_group must be provided to get positional embedding per CP rank")
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
-        index = torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1], device=pos_emb.device)
+        index = torch.tensor(zigzag_chunks(cp_rank, cp_size), device=pos_emb.device)
         pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
         pos_emb = pos_emb.index_select(seq_dim, index)
         return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
@@ -189,7 +191,7 @@ def _cpu_no_compile():
 def _thd_partitioned_indices():
     from megatron.core import utils
 
-    from megalign.dump.sharding import cp_positions
+    from megalign.dump.layout import cp_positions
 
     if utils.tex is not None:
         return  # TransformerEngine is installed: its kernel is the one training uses

@@ -16,7 +16,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from safetensors.torch import load_file
 
 from megalign.dump.format import RankCoords
-from megalign.dump.sharding import BatchRow, cp_positions
+from megalign.dump.layout import BatchRow, cp_positions, cp_split_bounds, dp_rows
 from megalign.spec import RunSpec
 from megalign.stacks.megatron.model import global_name
 
@@ -49,12 +49,11 @@ def _force_weights(experts: torch.Tensor, weights: torch.Tensor):
 def _local_tokens(choices: torch.Tensor, spec: RunSpec, rows: list[BatchRow], coords: RankCoords) -> torch.Tensor:
     """[seq, rows, topk] -> this rank's router tokens, [local tokens, topk] in [s, b] order."""
     layout = spec.layout
-    per_rank = len(rows) // layout.dp
-    mine = choices[:, coords.dp_rank * per_rank:(coords.dp_rank + 1) * per_rank]
+    share = dp_rows(len(rows), layout.dp, coords.dp_rank)
+    mine = choices[:, share]
     if layout.cp > 1:
-        row = rows[coords.dp_rank * per_rank]
-        bounds = row.bounds if spec.packed and spec.packed_split == "document" else (0, spec.seq_len)
-        mine = mine.index_select(0, cp_positions(bounds, coords.cp_rank, layout.cp))
+        row = rows[share][0]  # the rows of a DP rank are cut alike: one packed row, or padded ones
+        mine = mine.index_select(0, cp_positions(cp_split_bounds(row, spec.cp_split), coords.cp_rank, layout.cp))
     if layout.sp:
         mine = mine.chunk(layout.tp)[coords.tp_rank]
     return mine.reshape(-1, choices.shape[-1]).contiguous()

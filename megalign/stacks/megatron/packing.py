@@ -14,7 +14,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megalign.dump.sharding import BatchRow
+from megalign.dump.layout import BatchRow
 
 CU_SEQLENS = ("cu_seqlens", "cu_seqlens_padded")
 
@@ -29,11 +29,12 @@ def packed_seq_params(row: BatchRow, cp_group, device) -> PackedSeqParams:
                            cp_group=cp_group)
 
 
-def split_packed_over_cp(batch: dict, row: BatchRow, cp_group, per_document: bool) -> dict:
-    """This CP rank's tokens of one packed row, by megatron's own split. per_document=False is the
-    classic bug kept reachable (--packed-split row): the row zigzagged as one long sequence."""
-    bounds = torch.tensor([row.bounds], dtype=torch.int32)
-    batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": bounds, "cu_seqlens_padded": bounds},
+def split_packed_over_cp(batch: dict, bounds: tuple[int, ...], cp_group) -> dict:
+    """This CP rank's tokens of one packed row cut at `bounds` (layout.cp_split_bounds), by megatron's
+    own split: per document, or, with the row's two ends, as one long sequence (--packed-split row, the
+    classic bug kept reachable)."""
+    cu_seqlens = torch.tensor([bounds], dtype=torch.int32)
+    batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens},
                                       is_hybrid_cp=False, cp_group=cp_group,
-                                      use_per_sequence_balancing=not per_document)
+                                      use_per_sequence_balancing=len(bounds) == 2)
     return {key: value for key, value in batch.items() if key not in CU_SEQLENS}
