@@ -56,9 +56,13 @@ def _open(path: Path) -> Source:
 
 
 def _kernel(meta: dict) -> str:
-    """The attention kernel as far as dump.json tells: `auto` picks by CP size and device (README)."""
-    attention, cp = meta.get("attention"), (meta.get("layout") or {}).get("cp", 1)
-    return f"{attention} cp{'>1' if cp != 1 else '=1'} {meta.get('device')}" if attention == "auto" else str(attention)
+    """The attention kernel as far as dump.json tells. `auto` picks by device (TE on CUDA where it is
+    installed), then megatron's local attention at CP=1 unpacked and megalign's otherwise (README)."""
+    attention = meta.get("attention")
+    if attention != "auto":
+        return str(attention)
+    local = (meta.get("layout") or {}).get("cp", 1) == 1 and not meta.get("packed")
+    return f"auto: {'local' if local else 'megalign'} on {meta.get('device')}"
 
 
 def _weights(meta: dict) -> Optional[str]:
