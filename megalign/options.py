@@ -48,6 +48,11 @@ class Flag:
         return self.spelling[0]
 
 
+def flag(section: type, name: str) -> Flag:
+    """The Flag of option `name` of `section` (a class of the tree)."""
+    return section.__dataclass_fields__[name].metadata[FLAG]
+
+
 def option(default: Any, *spelling: str, help: str, **flag: Any) -> Any:
     """A dataclass field that is the command-line option `spelling`."""
     return field(default=default, metadata={FLAG: Flag(spelling, help, **flag)})

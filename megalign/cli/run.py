@@ -40,6 +40,15 @@ def run_command(mode: Mode):
     return command
 
 
+def parse_run(mode: Mode, args: list[str]) -> RunConfig:
+    """`args` read as `megalign MODE ARGS` reads them, every default filled in; click's usage errors raise
+    (typer.exceptions.TyperException)."""
+    from megalign.cli.app import app  # app imports this module
+
+    context = typer.main.get_command(app).commands[mode].make_context(mode, list(args))
+    return RunConfig.from_options(mode, context.params)
+
+
 def _typer_parameter(option: dataclasses.Field, hint, mode: Mode) -> inspect.Parameter:
     flag = option.metadata[FLAG]
     typer_option = typer.Option(option.default, *flag.spelling, metavar=flag.metavar, help=flag.help,
