@@ -1,4 +1,4 @@
-"""`megalign forward` and `megalign backward`: the same options, one command factory."""
+"""`megalign forward` and `megalign backward`: one command factory, its options built from options.RunConfig."""
 
 from __future__ import annotations
 
