@@ -43,10 +43,6 @@ class Flag:
     show_default: bool = True
     backward_only: bool = False  # left out of forward's --help (it means nothing there, or forward refuses it)
 
-    @property
-    def name(self) -> str:
-        return self.spelling[0]
-
 
 def flag(section: type, name: str) -> Flag:
     """The Flag of option `name` of `section` (a class of the tree)."""
