@@ -3,7 +3,9 @@
 Each leaf field is one command-line option: its name, type and default are the field's; its flag
 spelling and help text are its metadata (`option(...)`). From this one declaration
 
-- cli/run.py builds the Typer options of forward and backward (and check lists them, passing them on);
+- cli/run.py builds the Typer options of forward and backward; check takes its --mode's type and the
+  spelling of the options it keeps for itself (--out, --overwrite) from here, and reads every other
+  option as the run will (cli.run.parse_run, which gives a RunConfig);
 - run/plan.py validates a RunConfig into the RunSpec (spec.py) that the workers receive, whose
   fields of the same names take their types and defaults from here.
 
@@ -49,9 +51,9 @@ def flag(section: type, name: str) -> Flag:
     return section.__dataclass_fields__[name].metadata[FLAG]
 
 
-def option(default: Any, *spelling: str, help: str, **flag: Any) -> Any:
-    """A dataclass field that is the command-line option `spelling`."""
-    return field(default=default, metadata={FLAG: Flag(spelling, help, **flag)})
+def option(default: Any, *spelling: str, help: str, **how: Any) -> Any:
+    """A dataclass field that is the command-line option `spelling` (`how`: the rest of its Flag)."""
+    return field(default=default, metadata={FLAG: Flag(spelling, help, **how)})
 
 
 @dataclass(frozen=True)
