@@ -15,7 +15,7 @@ import pytest
 import megalign
 
 PACKAGE = Path(megalign.__file__).parent
-BASE = {"megalign", "megalign.spec", "megalign.errors"}
+BASE = {"megalign", "megalign.spec", "megalign.options", "megalign.errors"}
 # Which parts each part may import, besides itself and the base modules.
 # The two stacks share only stacks/'s own modules: transformers' stack must not pay megatron-core's
 # import, nor megatron's import transformers.

@@ -24,21 +24,10 @@ from typing import Callable, Iterator, Optional
 
 from megalign.dump.format import DUMP_META
 from megalign.errors import RunFailed, UserError
+from megalign.options import Launch
 from megalign.run import events
 from megalign.run.staging import staged
 from megalign.spec import RunSpec
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    """torchrun's multi-node options, passed through as torchrun users expect them."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
-    rdzv_endpoint: Optional[str] = None
-    overwrite: bool = False
 
 
 @dataclass
@@ -62,7 +51,7 @@ class _Watch:
     log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
 
 
-def check_options(spec: RunSpec, options: LaunchOptions) -> None:
+def check_options(spec: RunSpec, options: Launch) -> None:
     world = spec.layout.world_size
     if options.nnodes < 1:
         raise UserError(f"--nnodes must be at least 1, got {options.nnodes}")
@@ -72,7 +61,7 @@ def check_options(spec: RunSpec, options: LaunchOptions) -> None:
         raise UserError(f"world size {world} (tp*pp*cp) is not divisible by --nnodes {options.nnodes}")
 
 
-def torchrun_command(spec: RunSpec, spec_file: Path, log_dir: Path, options: LaunchOptions) -> list[str]:
+def torchrun_command(spec: RunSpec, spec_file: Path, log_dir: Path, options: Launch) -> list[str]:
     world = spec.layout.world_size
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world // options.nnodes}",
                f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}", "--max-restarts=0",
@@ -118,12 +107,13 @@ def signals_as_interrupts() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def launch(spec: RunSpec, options: LaunchOptions, on_event: Callable[[dict], None] = lambda e: None) -> RunResult:
+def launch(spec: RunSpec, options: Launch, overwrite: bool,
+           on_event: Callable[[dict], None] = lambda e: None) -> RunResult:
     """Run the workers; return what they wrote, or raise UserError / RunFailed with the failing rank's story."""
     check_options(spec, options)
     started = time.monotonic()
     owner = options.node_rank == 0
-    with staged(Path(spec.out), options.overwrite, owner) as staging, \
+    with staged(Path(spec.out), overwrite, owner) as staging, \
             tempfile.TemporaryDirectory(prefix="megalign-") as scratch:
         spec_file = Path(scratch) / "spec.json"
         spec_file.write_text(replace(spec, out=str(staging)).to_json())
