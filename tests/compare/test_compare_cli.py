@@ -62,6 +62,19 @@ def test_filter_restricts_rows(dump, tmp_path):
     assert result.exit_code == 1  # its activation passes, its gradient does not
 
 
+def test_filter_and_threshold_together(dump, tmp_path):
+    """The README's `compare dumps/cp1 dumps/cp2 --filter 'layers\\.1\\.' --threshold 1e-4`: only layer 1's rows,
+    each judged at 1e-4; the twin, the loss bug's gradients (rel diff 0.2), fails under the same options."""
+    options = ("--filter", r"layers\.1\.", "--threshold", "1e-4")
+    report = tmp_path / "r.jsonl"
+    result = invoke("compare", dump(*CP1), dump(*CP2), *options, "--json", report)
+    assert result.exit_code == 0, result.output
+    rows, summary = read_jsonl(report)
+    assert summary["compared"] > 10 and all(".layers.1." in r["name"] for r in rows)
+    assert {r["threshold"] for r in rows if r["status"] == "pass"} == {1e-4}
+    assert invoke("compare", dump(*CP1), dump(*CP2_LOCAL), *options).exit_code == 1
+
+
 def test_perturbed_layer_is_the_first_divergence(dump, tmp_path):
     twin = copy_dump(dump(*CP2), tmp_path / "twin")
     assert invoke("compare", dump(*CP1), twin).exit_code == 0

@@ -174,3 +174,24 @@ def test_stack_hf_needs_a_checkpoint_and_one_process(checkpoints, tmp_path):
     assert result.exit_code == 2 and "--stack hf needs a checkpoint" in result.output
     result = invoke("forward", "--stack", "hf", "--hf", checkpoints["llama"], "--cp", "2", "--out", tmp_path / "b")
     assert result.exit_code == 2 and "--tp, --pp, --cp, --dp and --ep must be 1" in result.output
+
+
+def test_check_runs_a_checkpoint_through_both_stacks_against_an_fp64_reference(checkpoints, tmp_path):
+    """docs/compare.md's `megalign check --hf CKPT --tokens ... --baseline "--stack hf" --target "--tp 3"
+    --reference`, on the tiny Llama at TP=2; the twin's target (forward only, the cheaper) loads the q/k-swapped
+    checkpoint instead."""
+    tokens = tmp_path / "tokens.json"
+    # Ids from both halves of the vocabulary: a TP rank whose vocab shard no token reaches has an all-zero
+    # embedding gradient, which the run's coverage check takes for a missing one.
+    tokens.write_text(json.dumps([list(range(0, 128, 8)), list(range(5, 125, 10))]))
+    common = ("check", "--hf", checkpoints["llama"], "--tokens", tokens, "--baseline", "--stack hf",
+              "--filter", r"layers\.(0|1)\.input_layernorm(\.weight)?$|^logits$|^logprobs$|^loss$")
+    result = invoke(*common, "--target", "--tp 2", "--reference", "--out", tmp_path / "check")
+    assert result.exit_code == 0, result.output
+    assert "hf backward" in result.output and "tp=2" in result.output and "fp64 (the reference)" in result.output
+    assert "rel to reference" in result.output
+
+    twin = invoke(*common, "--target", f"--hf {checkpoints['llama-swapped']} --tp 2", "--mode", "forward",
+                  "--out", tmp_path / "twin")
+    assert twin.exit_code == 1, twin.output
+    assert "first divergence: activation decoder.layers.1.input_layernorm" in twin.output  # the first kept after layer 0's attention
