@@ -60,6 +60,7 @@ def fenced_shell_lines(path: Path):
 
 
 def doc_commands() -> list[DocCommand]:
+    """Every `megalign ...` line of a fenced shell block in the docs, its `# comment` dropped."""
     commands = []
     for path in DOCS:
         for number, line in fenced_shell_lines(path):
@@ -95,11 +96,12 @@ def test_the_docs_show_commands():
 
 @pytest.mark.parametrize("command", COMMANDS, ids=str)
 def test_doc_command_parses(command):
-    for argv in run_argvs(command):
-        try:
+    argv = list(command.args)
+    try:
+        for argv in run_argvs(command):
             parse(argv)
-        except TyperException as e:  # typer's own click: a usage error or a bad value
-            pytest.fail(f"{command}\n  megalign {shlex.join(argv)}: {e.format_message()}")
+    except TyperException as e:  # typer's own click: a usage error or a bad value
+        pytest.fail(f"{command}\n  megalign {shlex.join(argv)}: {e.format_message()}")
 
 
 def option_names(args: list[str]) -> set[str]:
@@ -132,8 +134,11 @@ class SourceModule:
 
 
 def source_modules() -> list[SourceModule]:
+    """Every module of tests/ but this one, with its module-level constants and functions."""
     modules = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path == Path(__file__).resolve():
+            continue  # this file names options only to read them
         tree = ast.parse(path.read_text())
         constants = {target.id: node.value for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
                      for target in getattr(node, "targets", [getattr(node, "target", None)])
@@ -174,10 +179,15 @@ def functions_in_tests():
 TEST_FUNCTIONS = list(functions_in_tests())
 
 
+def spellings(subcommand: str, option: str) -> set[str]:
+    """How an option may be written: `--config` and `-c`."""
+    param = next(p for p in CLI.commands[subcommand].params if p.name == option)
+    return {*param.opts, *param.secondary_opts}
+
+
 def gives(words: set[str], subcommand: str, option: str) -> bool:
     """Whether a function with these words gives `subcommand`'s `option` (by any of its spellings)."""
-    param = next(p for p in CLI.commands[subcommand].params if p.name == option)
-    return bool(words & {*param.opts, *param.secondary_opts})
+    return bool(words & spellings(subcommand, option))
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=str)
@@ -188,7 +198,7 @@ def test_doc_command_is_one_a_test_runs(command):
         if all(gives(words, subcommand, option) for subcommand, option in needed):
             return
     closest = max(candidates, key=lambda f: sum(gives(f[1], s, o) for s, o in needed))
-    missing = sorted(f"{s} --{o}" for s, o in needed if not gives(closest[1], s, o))
+    missing = sorted(f"{s} {'/'.join(sorted(spellings(s, o)))}" for s, o in needed if not gives(closest[1], s, o))
     pytest.fail(f"no test runs {command}\n  closest: {closest[0]}, which lacks {missing}")
 
 
