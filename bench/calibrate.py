@@ -8,7 +8,7 @@ the two runs (what the default thresholds must allow) and from each run to the r
 (and of the sum ratio where scale.py compares sums), alone and times sqrt(elements): what the scale
 check's FLOOR and SPREAD must allow; and the deviation of the median norm ratio of the kind: what its
 WHOLE_TOLERANCE must allow. The thresholds in compare/thresholds.py, compare/reference.py
-and compare/scale.py are set from this table with a margin; README "Verdicts on a real model"
+and compare/scale.py are set from this table with a margin; docs/compare.md "Verdicts on a real model"
 quotes it.
 
     python bench/calibrate.py [--out DIR] [--mode backward|forward]

@@ -77,7 +77,7 @@ def test_hf_vs_megatron_tp3_backward_agrees(run, tmp_path, reference):
     grads = {r["name"]: r for r in rows if r["kind"] == "param_grad"}
     assert len(grads) == 2 + 30 * 6 and all(r["status"] == "pass" for r in grads.values())
     # The noise floor is real: transformers' float32 gradients carry rounding from 1e-7 to 4e-7 (rel diff)
-    # on the machines seen, 9.9e-8 on another CPU's kernels; megatron-core's own is 3e-10 (README).
+    # on the machines seen, 9.9e-8 on another CPU's kernels; megatron-core's own is 3e-10 (docs/compare.md).
     noisy = max(grads.values(), key=lambda r: r["metrics"]["rel_diff"])
     assert noisy["metrics"]["rel_diff"] > 1e-8, noisy
     if reference:
