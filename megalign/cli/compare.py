@@ -161,7 +161,7 @@ COLUMNS = (Column("#", right=True), Column("kind"), Column("name", wraps=True), 
            Column("rel diff", right=True), Column("max abs diff @ index", right=True), Column("thr", right=True),
            Column("status"), Column("note", wraps=True, footnote=True))
 # In a terminal too narrow for the table, the least useful give way first: the note folds, then goes
-# under the table; the threshold goes (the kind's default, README); long names fold to 40 characters
+# under the table; the threshold goes (the kind's default, docs/compare.md); long names fold to 40 characters
 # (a few rows on two lines, before every row's index is); the index, the status and the shape fold;
 # last the names fold further.
 NARROWING = (("note", FOLD), ("note", DROP), ("thr", DROP), ("name", 40), ("max abs diff @ index", FOLD),

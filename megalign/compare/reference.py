@@ -10,7 +10,7 @@ explain puts at least one side over its budget (the triangle inequality).
 
 The budgets are the largest rounding errors measured on a real trained model (SmolLM2-135M, both
 stacks, CP/TP/PP layouts, fp32 and bf16, `bench/calibrate.py`) times a margin, and sit far below
-what the planted bugs of the tests do (README, "Verdicts on a real model").
+what the planted bugs of the tests do (docs/compare.md, "Verdicts on a real model").
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ BUDGET: dict[str, dict[str, float]] = {
 }
 # Model config entries a reference may differ in: the name, and the constants a checkpoint's config.json
 # may get wrong without changing any tensor's shape, which is what a reference is there to pin on a side
-# (README: `rms_norm_eps` 1e-6 on one side is "B off"). Every other entry (sizes, experts, switches,
+# (docs/compare.md: `rms_norm_eps` 1e-6 on one side is "B off"). Every other entry (sizes, experts, switches,
 # the init std of seeded weights) must match A's and B's.
 JUDGED = ("name", "layernorm_epsilon", "rotary_base")
 

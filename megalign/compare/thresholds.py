@@ -3,7 +3,7 @@
 The threshold applies to the relative difference (metrics.py), for every kind. The defaults are
 calibrated on a real trained model (SmolLM2-135M: transformers against megatron-core at CP=1, CP=2,
 TP=3 and PP=2, fp32 and bf16, `bench/calibrate.py`): each is the largest difference seen there
-times a margin, and each planted bug of the tests stays caught (README, "Verdicts on a real model").
+times a margin, and each planted bug of the tests stays caught (docs/compare.md, "Verdicts on a real model").
 Seen in fp32: activations, logits and logprobs up to 3e-12, the loss 1e-11, parameter gradients
 4e-7 (the input norms of the last layers, where a "massive activation" channel reaches 22,000).
 Seen in bf16: activations 1.7e-3, logits 3e-4, parameter gradients 0.04. Inputs must match exactly.

@@ -57,7 +57,7 @@ def _open(path: Path) -> Source:
 
 def _kernel(meta: dict) -> str:
     """The attention kernel as far as dump.json tells. `auto` picks by device (TE on CUDA where it is
-    installed), then megatron's local attention at CP=1 unpacked and megalign's otherwise (README)."""
+    installed), then megatron's local attention at CP=1 unpacked and megalign's otherwise (docs/running.md)."""
     attention = meta.get("attention")
     if attention != "auto":
         return str(attention)
