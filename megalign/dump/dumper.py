@@ -110,8 +110,9 @@ class Dumper:
         gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
         rank computes the same outputs). Under megatron-core's TP or CP: NotImplementedError."""
         if self.layout["tp"] > 1 or self.layout["cp"] > 1:
-            # Outputs split over TP or CP ranks need megatron-core's inference (stacks/megatron/capture.py),
-            # not wired here yet: labelled as replicas they would be put back together wrong.
+            # Outputs split over TP or CP ranks need megatron-core's inference: megalign's worker has it
+            # (stacks/megatron/capture.py, which add()s each output with its Sharding), but dump/ does not
+            # import stacks/. Labelled as replicas they would be put back together wrong.
             raise NotImplementedError("watch() knows DP splits only; under TP or CP, add() each tensor with "
                                       "its megalign.Sharding")
 
