@@ -1,11 +1,11 @@
 """`--stack hf`: the same padded batch through transformers' own model, written as a megalign dump
 through megalign.Dumper.
 
-One rank in megalign's own process, no torchrun: transformers' eager attention, no attention mask (right padding under a
-causal mask is what megatron's run sees too), labels and loss mask from batch.build_batch, the loss
-normalised as in megatron/loss.py. Outputs and gradients with a megatron counterpart are written under the
-megatron name and layout (namemap.py), so that `megalign compare` lines them up; the rest under
-their HF names, where they show up as only-in-one-side rows.
+One rank in megalign's own process, no torchrun: transformers' eager attention, no attention mask
+(right padding under a causal mask is what megatron's run sees too), labels and loss mask from
+batch.build_batch, the loss normalised as in megatron/loss.py. Outputs and gradients with a megatron
+counterpart are written under the megatron name and layout (namemap.py), so that `megalign compare`
+lines them up; the rest under their HF names, where they show up as only-in-one-side rows.
 """
 
 from __future__ import annotations
