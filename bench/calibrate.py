@@ -6,7 +6,8 @@ the fp64 reference, and prints, per kind of tensor, the largest relative differe
 the two runs (what the default thresholds must allow) and from each run to the reference (what the
 --reference rounding budgets must allow), and the largest deviation of the norm ratio B/A from 1
 (and of the sum ratio where scale.py compares sums), alone and times sqrt(elements): what the scale
-check's FLOOR and SPREAD must allow. The thresholds in compare/thresholds.py, compare/reference.py
+check's FLOOR and SPREAD must allow; and the deviation of the median norm ratio of the kind: what its
+WHOLE_TOLERANCE must allow. The thresholds in compare/thresholds.py, compare/reference.py
 and compare/scale.py are set from this table with a margin; README "Verdicts on a real model"
 quotes it.
 
@@ -19,6 +20,7 @@ import argparse
 import collections
 import json
 import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,8 +55,10 @@ def run(name: str, mode: str, checkpoint: Path, out: Path) -> None:
 
 
 def worst(report: Path) -> dict:
-    """kind -> max of (rel A-B, rel A-R, rel B-R, norm-ratio deviation, that times sqrt(n), sum-ratio deviation)."""
+    """kind -> max of (rel A-B, rel A-R, rel B-R, norm-ratio deviation, that times sqrt(n), sum-ratio deviation),
+    and the deviation of the kind's median norm ratio (scale.check_kinds)."""
     found: dict = collections.defaultdict(lambda: [0.0] * 6)
+    norm_ratios: dict = collections.defaultdict(list)
     for line in report.read_text().splitlines()[:-1]:
         row = json.loads(line)
         m = row["metrics"]
@@ -66,7 +70,8 @@ def worst(report: Path) -> dict:
         seen = (m["rel_diff"], reference.get("rel_a") or 0.0, reference.get("rel_b") or 0.0, deviation(norm_ratio),
                 deviation(norm_ratio) * math.sqrt(n), deviation(sum_ratio) if sum_ratio is not None else 0.0)
         found[row["kind"]] = [max(pair) for pair in zip(found[row["kind"]], seen)]
-    return found
+        norm_ratios[row["kind"]].append(norm_ratio)
+    return {kind: figures + [deviation(statistics.median(norm_ratios[kind]))] for kind, figures in found.items()}
 
 
 def main() -> None:
@@ -80,7 +85,7 @@ def main() -> None:
         for name in RUNS:
             run(name, args.mode, checkpoint, out)
         print(f"\n{'A vs B':34s} {'kind':16s} {'rel A-B':>9s} {'rel A-R':>9s} {'rel B-R':>9s} {'norm dev':>9s} "
-              f"{'dev·√n':>9s} {'sum dev':>9s}")
+              f"{'dev·√n':>9s} {'sum dev':>9s} {'median dev':>10s}")
         for a, b in PAIRS:
             report = out / f"{a}--{b}.jsonl"
             subprocess.run(MEGALIGN + ["compare", str(out / a), str(out / b), "--reference", str(out / "hf-fp64"),

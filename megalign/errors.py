@@ -38,15 +38,15 @@ def read_user_text(path: Path, what: str) -> str:
     Only a regular file of at most MAX_USER_FILE bytes is read (never /dev/zero, a FIFO or a disk)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait for a writer
-        try:
-            mode = os.fstat(fd).st_mode
-            if stat.S_ISDIR(mode):
-                raise UserError(f"{what} {path} is a folder, not a file")
-            if not stat.S_ISREG(mode):
-                raise UserError(f"{what} {path} is not a regular file")
-            data = os.read(fd, MAX_USER_FILE + 1)  # bounded even when the file grows meanwhile
-        finally:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
             os.close(fd)
+            raise UserError(f"{what} {path} is a folder, not a file" if stat.S_ISDIR(mode) else
+                            f"{what} {path} is not a regular file")
+        with os.fdopen(fd, "rb") as file:
+            # A buffered read of a size reads until it has that many bytes or the end (os.read may stop
+            # short); bounded even when the file grows meanwhile.
+            data = file.read(MAX_USER_FILE + 1)
         if len(data) > MAX_USER_FILE:
             raise UserError(f"{what} {path} is larger than {MAX_USER_FILE >> 20} MiB; is it the right file?")
         return data.decode("utf-8")

@@ -1,4 +1,5 @@
-"""Model and run configuration: dataclasses read from YAML (model) and from the CLI (run).
+"""Model and run configuration: dataclasses read from YAML (model) and validated from the CLI's options
+(RunSpec, from options.RunConfig).
 
 The defaults of `ModelConfig` are the embedded tiny model, so that `megalign backward` runs on a
 laptop with no file at hand; configs/tiny.yaml spells the same values out for copying.
@@ -17,6 +18,8 @@ from typing import Literal, Optional
 import yaml
 
 from megalign.errors import UserError, read_user_text
+from megalign.options import (Attention, Batch, Dtype, GradSource, Launch, LossNorm, Mode, MoeDispatcher, Numerics,
+                              Output, PackedSplit, Parallelism)
 
 # megatron parameters whose rows are the vocabulary: padded when TP does not divide vocab_size.
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -266,12 +269,11 @@ class Layout:
                             f"{model.max_position_embeddings}")
 
 
-Mode = Literal["forward", "backward"]
-
-
 @dataclass(frozen=True)
 class RunSpec:
-    """Everything a worker needs, written to JSON by the launcher and read by every rank."""
+    """Everything a worker needs, written to JSON by the launcher and read by every rank: a RunConfig
+    (options.py) validated by run/plan.py. A field named as an option holds that option's value, with
+    its type and default, and means what its --help says; the rest are resolved from the options."""
 
     mode: Mode
     out: str
@@ -279,21 +281,21 @@ class RunSpec:
     layout: Layout = field(default_factory=Layout)
     tokens: list = field(default_factory=list)  # list of token-id lists, one per sequence
     seq_len: int = 0
-    device: Literal["cpu", "cuda"] = "cpu"
-    dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
-    seed: int = 1234
-    attention: Literal["auto", "local", "torch", "te"] = "auto"
-    loss_norm: Literal["global", "local"] = "global"
-    grad_source: Literal["auto", "grad", "main_grad", "shard"] = "auto"
-    filter: Optional[str] = None
-    stats_only: bool = False
-    timeout_s: float = 600.0
-    distributed_optimizer: bool = False  # DDP's use_distributed_optimizer: each DP rank keeps a shard of the grads
-    hf: Optional[str] = None  # a Hugging Face checkpoint folder to load instead of seeded weights
-    packed: bool = False  # THD: each DP rank's sequences packed into one row, split over CP document by document
-    packed_split: Literal["document", "row"] = "document"  # row: the classic bug, the row zigzagged as one sequence
-    moe_dispatcher: Literal["alltoall", "allgather"] = "alltoall"  # megatron's moe_token_dispatcher_type
-    routing_replay: Optional[str] = None  # a safetensors file of recorded expert choices to force (compare/replay.py)
+    device: Literal["cpu", "cuda"] = "cpu"  # --device, resolved
+    dtype: Dtype = Numerics.dtype
+    seed: int = Numerics.seed
+    attention: Attention = Numerics.attention
+    loss_norm: LossNorm = Numerics.loss_norm
+    grad_source: GradSource = Numerics.grad_source
+    filter: Optional[str] = Output.filter
+    stats_only: bool = Output.stats_only
+    timeout_s: float = Launch.timeout_s
+    distributed_optimizer: bool = Parallelism.distributed_optimizer
+    hf: Optional[str] = None  # --hf: a Hugging Face checkpoint folder to load instead of seeded weights
+    packed: bool = Batch.packed
+    packed_split: PackedSplit = Batch.packed_split
+    moe_dispatcher: MoeDispatcher = Parallelism.moe_dispatcher
+    routing_replay: Optional[str] = None  # --routing replay: a safetensors file of recorded expert choices to force
 
     @property
     def cp_split(self) -> str:

@@ -1,12 +1,14 @@
 """Shared fixtures: the real CLI, and dumps made once per session by real megatron-core workers.
 
 Each launch costs 6-15 s on two cores (mostly imports), so every dump that several tests read is
-made once, keyed by its command line.
+made once, keyed by the run it makes: its options as `megalign MODE` reads them, defaults filled in,
+--out left out (`backward` and `backward --cp 1` share one dump).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -18,6 +20,8 @@ from typer.testing import CliRunner
 from megalign.compare.sources import open_source
 from megalign.dump.format import MANIFEST
 from megalign.cli.app import app
+from megalign.cli.run import parse_run
+from megalign.options import RunConfig
 
 
 def invoke(*args: str, env: Optional[dict[str, str]] = None):
@@ -25,18 +29,24 @@ def invoke(*args: str, env: Optional[dict[str, str]] = None):
     return CliRunner().invoke(app, [str(a) for a in args], env=env)
 
 
+def run_key(mode: str, *args: str) -> RunConfig:
+    """The run `megalign MODE ARGS` makes, however it is spelled: its RunConfig without --out."""
+    return replace(parse_run(mode, [str(a) for a in args]), out=None)
+
+
 @pytest.fixture(scope="session")
 def dump(tmp_path_factory):
     """`dump("backward", "--cp", "2")` -> the folder of that run's dump, made once per session."""
-    made: dict[tuple, Path] = {}
+    made: dict[RunConfig, Path] = {}
 
     def make(*args: str) -> Path:
-        if args not in made:
+        key = run_key(*args)
+        if key not in made:
             out = tmp_path_factory.mktemp("dump") / "out"
             result = invoke(*args, "--out", out)
             assert result.exit_code == 0, result.output
-            made[args] = out
-        return made[args]
+            made[key] = out
+        return made[key]
 
     return make
 

@@ -15,7 +15,7 @@ import pytest
 import megalign
 
 PACKAGE = Path(megalign.__file__).parent
-BASE = {"megalign", "megalign.spec", "megalign.errors"}
+BASE = {"megalign", "megalign.spec", "megalign.options", "megalign.errors"}
 # Which parts each part may import, besides itself and the base modules.
 # transformers' stack must not pay megatron-core's import. megatron's loads Hugging Face checkpoints
 # through stacks/hf's checkpoint reader (torch and safetensors: transformers is imported by the HF

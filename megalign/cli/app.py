@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
 from typer.core import TyperCommand
 
 from megalign.cli import backward, check, compare, forward
+from megalign.cli.render import err_console
 
 
 class PlainUsage(TyperCommand):
@@ -33,4 +36,11 @@ app.command("check", context_settings={"allow_extra_args": True, "ignore_unknown
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except OSError as error:
+        if error.filename is not None or isinstance(error, BrokenPipeError):
+            raise  # a file's error names its file, and is a UserError where the user can mend it
+        # Standard output that cannot take the report (`> /dev/full`, a full disk): one line, exit 2.
+        err_console.print(f"[bold red]error:[/] cannot write to standard output: {error.strerror}", highlight=False)
+        sys.exit(2)

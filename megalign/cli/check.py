@@ -16,7 +16,6 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Literal
 
 import typer
 from typer.exceptions import TyperException
@@ -25,7 +24,11 @@ from megalign.errors import UserError
 from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, NoColor, Plot,
                                   StrictNonfinite, Threshold, Tolerance, Workers, check_judging, run_compare)
 from megalign.cli.render import console, fail, use_color
+from megalign.cli.run import parse_run
+from megalign.options import Mode, Output, RunConfig, flag
 
+# Each run's folder and its replacement are check's to decide.
+OWN_OPTIONS = (*flag(RunConfig, "out").spelling, *flag(Output, "overwrite").spelling)
 RUNS_HELP = ("Run options for {side} only, in one quoted string, e.g. \"--stack hf\" or \"--cp 2 --tp 2\". "
              "Default: none.")
 
@@ -37,7 +40,7 @@ def check(
     reference: bool = typer.Option(False, "--reference",
                                    help="Also run the baseline with --dtype fp64 and judge A and B against it "
                                         "(compare --reference). Default: per-kind thresholds."),
-    mode: Literal["forward", "backward"] = typer.Option("backward", "--mode", help="Which pass the runs dump."),
+    mode: Mode = typer.Option("backward", "--mode", help="Which pass the runs dump."),
     out: Path = typer.Option(Path("dumps/check"), "--out", "-o", metavar="DIR",
                              help="Folder for the runs' dumps: DIR/baseline, DIR/target, DIR/reference."),
     overwrite: bool = typer.Option(False, "--overwrite",
@@ -79,13 +82,13 @@ def check(
     raise typer.Exit(run_compare(out / "baseline", out / "target", out / "reference" if reference else None, judging))
 
 
-def _run_argv(mode: str, shared: list[str], option: str, extra: str, out: Path, overwrite: bool) -> list[str]:
+def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path, overwrite: bool) -> list[str]:
     """The command line of one run; `option` (--baseline, --target) is where `extra` came from."""
     try:
         own = shlex.split(extra)
     except ValueError as e:
         raise UserError(f"cannot split {extra!r} into options: {e}") from None
-    for own_option in ("--out", "-o", "--overwrite"):
+    for own_option in OWN_OPTIONS:
         if own_option in shared or own_option in own:
             raise UserError(f"{own_option} is check's own option: it names each run's folder inside --out")
     _check_run_options(mode, shared, "megalign check")
@@ -94,12 +97,9 @@ def _run_argv(mode: str, shared: list[str], option: str, extra: str, out: Path, 
         (["--overwrite"] if overwrite else [])
 
 
-def _check_run_options(mode: str, args: list[str], where: str) -> None:
+def _check_run_options(mode: Mode, args: list[str], where: str) -> None:
     """Parse a run's options as `megalign MODE` will, so that a typo stops check before any run."""
-    from megalign.cli.app import app  # app imports this module
-
-    command = typer.main.get_command(app).commands[mode]
     try:
-        command.make_context(mode, list(args))
+        parse_run(mode, args)
     except TyperException as e:  # typer's click: a usage error or a bad value
         raise UserError(f"{where}: {e.format_message()}") from None

@@ -27,7 +27,7 @@ from megalign.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetri
                                                 logprob_metrics, metrics_of, pair_sums, routing_metrics, stats_metrics,
                                                 tensor_metrics)
 from megalign.compare.reference import ReferenceVerdict, check_reference, judge
-from megalign.compare.scale import Scale, check_scale
+from megalign.compare.scale import KindScale, Scale, check_kinds, check_scale
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
 from megalign.dump.stats import TensorStats
 from megalign.errors import UserError, compile_pattern
@@ -100,6 +100,7 @@ class Summary:
     first_routing_flip: Optional[str]
     first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
     nonfinite_in_both: list[str]  # "kind name" of rows with NaN/Inf at the same positions on both sides
+    rescaled: list[KindScale]  # kinds whose tensors are rescaled as a whole (scale.check_kinds)
 
     @property
     def ok(self) -> bool:
@@ -158,10 +159,24 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     for row in rows:
         if row.status == NOT_REASSEMBLABLE and skippable is not None and skippable.search(row.name):
             row.status = SKIPPED
+    rescaled = _judge_kinds(rows)
     first = next((row.index for row in rows if row.failing), None)
-    report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first), first_divergence=first)
+    report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first, rescaled), first_divergence=first)
     _check_something_compared(report)
     return report
+
+
+def _judge_kinds(rows: list[Row]) -> list[KindScale]:
+    """A kind rescaled as a whole (scale.check_kinds) fails on each of its rows, the first of them named
+    as the first divergence: the factor is in every one, under each one's own rounding."""
+    off = check_kinds((row.index, row.kind, row.name, row.scale) for row in rows
+                      if row.scale is not None and row.status in (PASS, FAIL))
+    for whole, indices in off:
+        for row in (rows[index] for index in indices):
+            if not row.scale.off:  # a row off on its own says so already
+                row.notes.append(whole.note())
+            row.status = FAIL
+    return [whole for whole, _ in off]
 
 
 def _check_something_compared(report: Report) -> None:
@@ -409,7 +424,7 @@ def _stats(value: Value) -> TensorStats:
     return value.stats if value.stats is not None else TensorStats.of(value.tensor)
 
 
-def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
+def _summarise(rows: list[Row], first: Optional[int], rescaled: list[KindScale]) -> Summary:
     def count(*statuses: str) -> int:
         return sum(1 for row in rows if row.status in statuses)
 
@@ -432,4 +447,5 @@ def _summarise(rows: list[Row], first: Optional[int]) -> Summary:
                                             "keep their top-k set)" for row in rows
                                             if row.routing is not None and row.routing.flipped), None),
                    first_failure_by_kind=by_kind,
-                   nonfinite_in_both=[f"{row.kind} {row.name}" for row in rows if row.nonfinite_in_both])
+                   nonfinite_in_both=[f"{row.kind} {row.name}" for row in rows if row.nonfinite_in_both],
+                   rescaled=rescaled)

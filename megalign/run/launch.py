@@ -25,22 +25,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from megalign.dump.format import DUMP_META
-from megalign.errors import RunFailed, UserError
 from megalign.dump.landing import staged
+from megalign.errors import RunFailed, UserError
+from megalign.options import Launch
 from megalign.spec import RunSpec
 from megalign.stacks import STACKS, events
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    """torchrun's multi-node options, passed through as torchrun users expect them."""
-
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
-    rdzv_endpoint: Optional[str] = None
-    overwrite: bool = False
 
 
 @dataclass
@@ -64,7 +53,7 @@ class _Watch:
     log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=200))
 
 
-def check_options(spec: RunSpec, options: LaunchOptions) -> None:
+def check_options(spec: RunSpec, options: Launch) -> None:
     world = spec.layout.world_size
     if options.nnodes < 1:
         raise UserError(f"--nnodes must be at least 1, got {options.nnodes}")
@@ -74,7 +63,7 @@ def check_options(spec: RunSpec, options: LaunchOptions) -> None:
         raise UserError(f"world size {world} (tp*pp*cp) is not divisible by --nnodes {options.nnodes}")
 
 
-def torchrun_command(spec: RunSpec, stack: str, spec_file: Path, log_dir: Path, options: LaunchOptions) -> list[str]:
+def torchrun_command(spec: RunSpec, stack: str, spec_file: Path, log_dir: Path, options: Launch) -> list[str]:
     world = spec.layout.world_size
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world // options.nnodes}",
                f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}", "--max-restarts=0",
@@ -120,14 +109,14 @@ def signals_as_interrupts() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def launch(spec: RunSpec, stack: str, options: LaunchOptions,
+def launch(spec: RunSpec, stack: str, options: Launch, overwrite: bool,
            on_event: Callable[[dict], None] = lambda e: None) -> RunResult:
     """Run `stack`'s workers under torchrun; return what they wrote, or raise UserError / RunFailed with
     the failing rank's story."""
     check_options(spec, options)
     started = time.monotonic()
     owner = options.node_rank == 0
-    with staged(Path(spec.out), options.overwrite, owner) as staging, \
+    with staged(Path(spec.out), overwrite, owner) as staging, \
             tempfile.TemporaryDirectory(prefix="megalign-") as scratch:
         spec_file = Path(scratch) / "spec.json"
         spec_file.write_text(replace(spec, out=str(staging)).to_json())

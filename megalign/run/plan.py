@@ -1,49 +1,17 @@
-"""From what a user typed to a validated RunSpec: every user mistake is caught here, before a launch."""
+"""From what a user typed (a RunConfig) to a validated RunSpec: every user mistake is caught here, before a launch."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Optional
 
 from megalign.dump.landing import check_out
 from megalign.errors import UserError, compile_pattern
+from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
 from megalign.spec import Layout, ModelConfig, RunSpec
-
-
-@dataclass
-class RunRequest:
-    mode: str
-    out: Path
-    config: Optional[Path] = None
-    tokens: Optional[Path] = None
-    seq_len: Optional[int] = None
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: Optional[int] = None  # None: 1, or what --ep needs
-    sp: bool = False
-    ep: int = 1
-    etp: Optional[int] = None
-    moe_dispatcher: str = "alltoall"
-    distributed_optimizer: bool = False
-    device: str = "auto"
-    dtype: str = "fp32"
-    seed: int = 1234
-    attention: str = "auto"
-    loss_norm: str = "global"
-    grad_source: str = "auto"
-    filter: Optional[str] = None
-    stats_only: bool = False
-    overwrite: bool = False
-    timeout_s: float = 600.0
-    hf: Optional[Path] = None
-    stack: str = "megatron"
-    packed: bool = False
-    packed_split: str = "document"
 
 
 def resolve_device(device: str) -> str:
@@ -69,68 +37,74 @@ def check_attention(attention: str, cp: int, dtype: str, packed: bool) -> None:
         raise UserError("--attention te needs TransformerEngine, which is not installed")
 
 
-def resolve_model(request: RunRequest) -> ModelConfig:
+def resolve_model(config: RunConfig) -> ModelConfig:
     """--hf derives the model from the checkpoint's config.json; else --config, else the tiny model."""
-    if request.hf is None:
-        return ModelConfig.from_yaml(request.config) if request.config else ModelConfig()
-    if request.config:
+    source = config.source
+    if source.hf is None:
+        return ModelConfig.from_yaml(source.config) if source.config else ModelConfig()
+    if source.config:
         raise UserError("--hf and --config cannot be combined: --hf takes the model from the checkpoint's config.json")
     from megalign.stacks.hf.checkpoint import open_checkpoint
 
-    return open_checkpoint(request.hf).model
+    return open_checkpoint(source.hf).model
 
 
-def check_distributed_optimizer(request: RunRequest) -> None:
-    if request.distributed_optimizer and request.mode != "backward":
+def check_distributed_optimizer(config: RunConfig) -> None:
+    if config.parallel.distributed_optimizer and config.mode != "backward":
         raise UserError("--distributed-optimizer shards gradients: it needs backward, not forward")
-    if request.grad_source == "shard" and not request.distributed_optimizer:
+    if config.numerics.grad_source == "shard" and not config.parallel.distributed_optimizer:
         raise UserError("--grad-source shard reads the distributed optimizer's shard: it needs --distributed-optimizer")
 
 
-def check_stack(request: RunRequest) -> None:
-    if request.stack == "megatron":
+def check_stack(config: RunConfig) -> None:
+    stack, p = config.source.stack, config.parallel
+    if stack == "megatron":
         return
-    if request.stack != "hf":
-        raise UserError(f"--stack {request.stack!r}: expected megatron or hf")
-    if request.hf is None:
+    if stack != "hf":
+        raise UserError(f"--stack {stack!r}: expected megatron or hf")
+    if config.source.hf is None:
         raise UserError("--stack hf needs a checkpoint: pass --hf PATH")
-    if (request.tp, request.pp, request.cp, request.dp or 1, request.ep) != (1, 1, 1, 1, 1) or request.sp \
-            or request.distributed_optimizer:
+    if (p.tp, p.pp, p.cp, p.dp or 1, p.ep) != (1, 1, 1, 1, 1) or p.sp or p.distributed_optimizer:
         raise UserError("--stack hf runs transformers in one process: --tp, --pp, --cp, --dp and --ep must be 1, "
                         "without --sp or --distributed-optimizer")
-    if request.packed:
+    if config.batch.packed:
         raise UserError("--stack hf runs padded batches only: drop --packed (compare lines a packed megatron run "
                         "up with a padded one)")
 
 
-def plan_run(request: RunRequest) -> RunSpec:
-    check_stack(request)
-    model = resolve_model(request)
-    tokens = load_tokens(request.tokens) if request.tokens else default_tokens(model.vocab_size)
+def plan_run(config: RunConfig) -> RunSpec:
+    """The RunSpec of `config`, its defaults resolved (--out, --dp, --seq-len, --device, the model, the tokens)."""
+    if config.launch.launcher == "none" and config.output.overwrite:
+        raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
+                        "the folder); remove --out first")
+    check_stack(config)
+    model = resolve_model(config)
+    batch, p, numerics, output = config.batch, config.parallel, config.numerics, config.output
+    tokens = load_tokens(batch.tokens) if batch.tokens else default_tokens(model.vocab_size)
     check_tokens(tokens, model.vocab_size)
-    layout = Layout(tp=request.tp, pp=request.pp, cp=request.cp, dp=1 if request.dp is None else request.dp,
-                    sp=request.sp, ep=request.ep, etp=request.etp)
+    layout = Layout(tp=p.tp, pp=p.pp, cp=p.cp, dp=1 if p.dp is None else p.dp, sp=p.sp, ep=p.ep, etp=p.etp)
     layout.check_sizes()
-    if request.dp is None:
+    if p.dp is None:
         layout = replace(layout, dp=layout.expert_dp())
-    seq_len = resolve_seq_len(tokens, request.seq_len)
-    if request.packed:
-        seq_len = _packed_seq_len(tokens, request.seq_len, layout)
+    seq_len = resolve_seq_len(tokens, batch.seq_len)
+    if batch.packed:
+        seq_len = _packed_seq_len(tokens, batch.seq_len, layout)
     layout.check(model, seq_len, len(tokens))
-    check_distributed_optimizer(request)
-    if request.filter:
-        compile_pattern("--filter", request.filter)
-    check_attention(request.attention, request.cp, request.dtype, request.packed)
-    if not (math.isfinite(request.timeout_s) and request.timeout_s > 0):
-        raise UserError(f"--timeout must be a positive number of seconds, got {request.timeout_s:g}")
-    check_out(request.out, request.overwrite)
-    return RunSpec(mode=request.mode, out=str(request.out), model=model, layout=layout, tokens=tokens, seq_len=seq_len,
-                   device=resolve_device(request.device), dtype=request.dtype, seed=request.seed,
-                   attention=request.attention, loss_norm=request.loss_norm, grad_source=request.grad_source,
-                   filter=request.filter, stats_only=request.stats_only, timeout_s=request.timeout_s,
-                   distributed_optimizer=request.distributed_optimizer,
-                   hf=str(request.hf) if request.hf else None, packed=request.packed, moe_dispatcher=request.moe_dispatcher,
-                   packed_split=request.packed_split)
+    check_distributed_optimizer(config)
+    if output.filter:
+        compile_pattern("--filter", output.filter)
+    check_attention(numerics.attention, p.cp, numerics.dtype, batch.packed)
+    timeout_s = config.launch.timeout_s
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise UserError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
+    out = config.dump_folder()
+    check_out(out, output.overwrite)
+    return RunSpec(mode=config.mode, out=str(out), model=model, layout=layout, tokens=tokens, seq_len=seq_len,
+                   device=resolve_device(numerics.device), dtype=numerics.dtype, seed=numerics.seed,
+                   attention=numerics.attention, loss_norm=numerics.loss_norm, grad_source=numerics.grad_source,
+                   filter=output.filter, stats_only=output.stats_only, timeout_s=timeout_s,
+                   distributed_optimizer=p.distributed_optimizer, hf=str(config.source.hf) if config.source.hf else None,
+                   packed=batch.packed, moe_dispatcher=p.moe_dispatcher, packed_split=batch.packed_split)
 
 
 def _packed_seq_len(tokens: list[list[int]], seq_len: Optional[int], layout: Layout) -> int:

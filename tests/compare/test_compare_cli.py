@@ -150,6 +150,15 @@ def test_a_reader_that_leaves_early_does_not_change_the_verdict(dump):
     assert stderr == ""
 
 
+def test_standard_output_that_cannot_be_written_is_one_line(dump):
+    """`megalign compare A B > /dev/full`: the report is lost, so the verdict is not given (exit 2)."""
+    with open("/dev/full", "w") as full:
+        run = subprocess.run([sys.executable, "-m", "megalign", "compare", str(dump(*CP1)), str(dump(*CP1))],
+                             stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr == "error: cannot write to standard output: No space left on device\n"
+
+
 def test_stats_only_dumps_compare_by_summaries(dump):
     stats = dump("backward", "--cp", "2", "--stats-only")
     assert invoke("compare", dump(*CP1), stats).exit_code == 0

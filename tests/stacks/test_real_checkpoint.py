@@ -105,6 +105,25 @@ def test_rescaled_gradients_fail_where_rounding_passes(run, tmp_path, dtype, fac
     assert sum(r["metrics"]["rel_diff"] < r["threshold"] for r in big) > len(big) / 2
 
 
+def test_bf16_gradients_times_1_05_fail_as_a_whole(run, tmp_path):
+    """bf16 rounding moves one gradient's norm by up to 7.7% between the stacks, so a factor 1.05 hides in
+    each gradient alone; the median of the 182 norm ratios moves by 0.8% at most (compare/scale.py
+    check_kinds), and reads the factor. The unscaled pair passes in the test above."""
+    hf, tp3 = run("backward", "--stack", "hf", "--dtype", "bf16"), run("backward", "--tp", "3", "--dtype", "bf16")
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tp3, scaled)
+    rescale(scaled, "param_grad", 1.05)
+    result, rows, summary = compare(tmp_path, hf, scaled, "--filter", r"\.weight$")
+    assert result.exit_code == 1, result.output
+    [whole] = summary["rescaled"]
+    assert whole["kind"] == "param_grad" and whole["tensors"] == 182 and 1.04 < whole["median_ratio"] < 1.06
+    assert all(r["status"] == "fail" for r in rows)
+    alone = [r for r in rows if not r["scale"]["off"]]  # what the check of each gradient alone passes
+    assert len(alone) > 100 and all("rescaled as a whole" in r["notes"][-1] for r in alone)
+    assert summary["first_divergence"] == f"param_grad {rows[0]['name']}"
+    assert "rescaled: param_grad rescaled as a whole: median norm ratio B/A 1.0" in " ".join(result.output.split())
+
+
 @pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
 def test_loss_normalised_per_rank_at_cp2_is_caught(run, tmp_path, reference):
     extra = ("--reference", run("backward", "--stack", "hf", "--dtype", "fp64")) if reference else ()
