@@ -17,14 +17,16 @@ import megalign
 PACKAGE = Path(megalign.__file__).parent
 BASE = {"megalign", "megalign.spec", "megalign.options", "megalign.errors"}
 # Which parts each part may import, besides itself and the base modules.
-# The two stacks share only stacks/'s own modules: transformers' stack must not pay megatron-core's
-# import, nor megatron's import transformers.
+# transformers' stack must not pay megatron-core's import. megatron's loads Hugging Face checkpoints
+# through stacks/hf's checkpoint reader (torch and safetensors: transformers is imported by the HF
+# worker alone). run/ starts workers through stacks/'s registry (stacks/__init__.py), never
+# megatron's modules; it reads an --hf checkpoint to plan a run.
 STACKS = {"stacks", "stacks.megatron", "stacks.hf"}
 ALLOWED = {
     "cli": {"run", "dump", "compare", *STACKS},
     "api": {"run", "dump", "compare", *STACKS},
-    "run": {"dump", *STACKS},
-    "stacks.megatron": {"dump", "stacks"},
+    "run": {"dump", "stacks", "stacks.hf"},
+    "stacks.megatron": {"dump", "stacks", "stacks.hf"},
     "stacks.hf": {"dump", "stacks"},
     "stacks": {"dump"},
     "dump": set(),

@@ -65,13 +65,13 @@ def _run(config: RunConfig) -> None:
         spec = replace(spec, routing_replay=str(replay_dir / REPLAY_FILE)) if replay_dir else spec
         with signals_as_interrupts():
             if stack == "hf":
-                result = _run_hf(spec, config.launch.launcher, overwrite)
+                result = _run_hf(spec, stack, config.launch.launcher, overwrite)
             elif config.launch.launcher == "none":
-                result = _run_here(spec)
+                result = _run_here(spec, stack)
             else:
                 check_options(spec, config.launch)
                 result = _with_progress(spec, spec.layout.world_size // config.launch.nnodes,
-                                        lambda on_event: launch(spec, config.launch, overwrite, on_event))
+                                        lambda on_event: launch(spec, stack, config.launch, overwrite, on_event))
     except UserError as e:
         fail(str(e), 2)
     except RunFailed as e:
@@ -124,19 +124,19 @@ def _with_progress(spec, ranks: int, run) -> RunResult:
         return run(on_event)
 
 
-def _run_hf(spec, launcher: str, overwrite: bool) -> RunResult:
+def _run_hf(spec, stack: str, launcher: str, overwrite: bool) -> RunResult:
     """--stack hf: transformers in this process; it imports neither torchrun nor megatron."""
     if launcher == "none":
         raise UserError("--stack hf runs in this process; --launcher none is for megatron ranks")
     with console.status(f"{spec.mode} through transformers"):
-        return run_in_process(spec, overwrite)
+        return run_in_process(spec, stack, overwrite)
 
 
-def _run_here(spec) -> Optional[RunResult]:
+def _run_here(spec, stack: str) -> Optional[RunResult]:
     """--launcher none: rank 0 draws every rank's progress and the summary; the other ranks stay quiet."""
     if os.environ.get("RANK", "0") != "0":
-        return run_here(spec, lambda event: None)
-    return _with_progress(spec, spec.layout.world_size, lambda on_event: run_here(spec, on_event))
+        return run_here(spec, stack, lambda event: None)
+    return _with_progress(spec, spec.layout.world_size, lambda on_event: run_here(spec, stack, on_event))
 
 
 def _summary(spec, result: RunResult, stack: str) -> None:

@@ -1,6 +1,8 @@
-"""Starting the workers with torch's own launcher, watching them, and landing the dump atomically.
+"""Starting a stack's workers with torch's own launcher, or one rank in this process, watching them,
+and landing the dump atomically.
 
-Workers write into the staging folder (staging.py), which becomes OUT only when every rank has
+Which worker runs is the stack's (stacks/__init__.py): nothing here knows one stack from another.
+Workers write into the staging folder (dump/landing.py), which becomes OUT only when every rank has
 finished (dump.json written after a barrier). The launcher runs in a process session of its own so
 that a timeout, Ctrl-C, SIGTERM or SIGHUP stops every worker at once; its spec file and torchrun's
 logs live in one temporary folder of megalign's, removed at the end.
@@ -23,11 +25,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from megalign.dump.format import DUMP_META
+from megalign.dump.landing import staged
 from megalign.errors import RunFailed, UserError
 from megalign.options import Launch
-from megalign.run import events
-from megalign.run.staging import staged
 from megalign.spec import RunSpec
+from megalign.stacks import STACKS, events
 
 
 @dataclass
@@ -61,7 +63,7 @@ def check_options(spec: RunSpec, options: Launch) -> None:
         raise UserError(f"world size {world} (tp*pp*cp) is not divisible by --nnodes {options.nnodes}")
 
 
-def torchrun_command(spec: RunSpec, spec_file: Path, log_dir: Path, options: Launch) -> list[str]:
+def torchrun_command(spec: RunSpec, stack: str, spec_file: Path, log_dir: Path, options: Launch) -> list[str]:
     world = spec.layout.world_size
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world // options.nnodes}",
                f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}", "--max-restarts=0",
@@ -73,7 +75,7 @@ def torchrun_command(spec: RunSpec, spec_file: Path, log_dir: Path, options: Lau
                     f"--master-port={options.master_port or 29500}"]
     else:
         command += ["--standalone"]  # picks a free port: parallel runs on one machine do not collide
-    return command + ["-m", "megalign.run.worker", str(spec_file)]
+    return command + ["-m", STACKS[stack].worker, str(spec_file)]
 
 
 def worker_env(spec: RunSpec) -> dict:
@@ -107,9 +109,10 @@ def signals_as_interrupts() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
-def launch(spec: RunSpec, options: Launch, overwrite: bool,
+def launch(spec: RunSpec, stack: str, options: Launch, overwrite: bool,
            on_event: Callable[[dict], None] = lambda e: None) -> RunResult:
-    """Run the workers; return what they wrote, or raise UserError / RunFailed with the failing rank's story."""
+    """Run `stack`'s workers under torchrun; return what they wrote, or raise UserError / RunFailed with
+    the failing rank's story."""
     check_options(spec, options)
     started = time.monotonic()
     owner = options.node_rank == 0
@@ -117,7 +120,7 @@ def launch(spec: RunSpec, options: Launch, overwrite: bool,
             tempfile.TemporaryDirectory(prefix="megalign-") as scratch:
         spec_file = Path(scratch) / "spec.json"
         spec_file.write_text(replace(spec, out=str(staging)).to_json())
-        command = torchrun_command(spec, spec_file, Path(scratch) / "torchrun-logs", options)
+        command = torchrun_command(spec, stack, spec_file, Path(scratch) / "torchrun-logs", options)
         watch = _run(command, worker_env(spec), spec.timeout_s, on_event)
         if owner and not (staging / DUMP_META).is_file():
             raise RunFailed("the workers exited without writing dump.json", details=_tail(watch))
@@ -142,12 +145,10 @@ def gather_result(out: Path, seconds: float, written, landed: bool = True) -> Ru
 GATHERED = ("started", "forward", "backward", "written")
 
 
-def run_here(spec: RunSpec, on_event: Callable[[dict], None]) -> Optional[RunResult]:
+def run_here(spec: RunSpec, stack: str, on_event: Callable[[dict], None]) -> Optional[RunResult]:
     """--launcher none: this process is one rank of the user's own torchrun/srun. Every rank's
     progress reaches `on_event` on rank 0; rank 0 returns the result, the other ranks None."""
     import torch.distributed as dist
-
-    from megalign.run.worker import run_worker
 
     world = os.environ.get("WORLD_SIZE")
     if not world:
@@ -168,12 +169,30 @@ def run_here(spec: RunSpec, on_event: Callable[[dict], None]) -> Optional[RunRes
                     written.append(one)
 
     started = time.monotonic()
+    _in_this_process(spec, stack, sink)
+    return gather_result(Path(spec.out), time.monotonic() - started, written) if rank == 0 else None
+
+
+def run_in_process(spec: RunSpec, stack: str, overwrite: bool) -> RunResult:
+    """A stack that runs as one rank in this process (--stack hf), staged and landed like a launched run."""
+    started, written = time.monotonic(), []
+
+    def sink(event: dict) -> None:
+        if event["event"] == "written":
+            written.append(event)
+
+    with staged(Path(spec.out), overwrite) as staging:
+        _in_this_process(replace(spec, out=str(staging)), stack, sink)
+    return gather_result(Path(spec.out), time.monotonic() - started, written)
+
+
+def _in_this_process(spec: RunSpec, stack: str, sink: Callable[[dict], None]) -> None:
+    """One rank of `stack`'s worker in this process, its events going to `sink`."""
     events.set_sink(sink)
     try:
-        run_worker(spec)
+        STACKS[stack].run_worker(spec)
     finally:
         events.set_sink(events.print_line)
-    return gather_result(Path(spec.out), time.monotonic() - started, written) if rank == 0 else None
 
 
 def _run(command: list[str], env: dict, timeout_s: float, on_event: Callable[[dict], None]) -> _Watch:
@@ -251,14 +270,3 @@ def _stop(process: subprocess.Popen) -> None:
 
 def _tail(watch: _Watch) -> str:
     return "\n".join(list(watch.log)[-40:])
-
-
-def run_in_process(spec: RunSpec, overwrite: bool) -> RunResult:
-    """--stack hf: transformers in this process (one rank), staged and landed like a launched run."""
-    from megalign.stacks.hf.stack import run_hf
-
-    started = time.monotonic()
-    with staged(Path(spec.out), overwrite) as staging:
-        writer, loss = run_hf(replace(spec, out=str(staging)))
-    return RunResult(out=Path(spec.out), seconds=time.monotonic() - started, tensors=len(writer.records),
-                     bytes=writer.bytes_written, loss=loss, ranks=1)

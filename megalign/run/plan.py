@@ -7,9 +7,9 @@ import math
 from dataclasses import replace
 from typing import Optional
 
+from megalign.dump.landing import check_out
 from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
-from megalign.run.staging import check_out
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
 from megalign.spec import Layout, ModelConfig, RunSpec
 

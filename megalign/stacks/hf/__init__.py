@@ -4,5 +4,5 @@
     namemap.py     how a table's HF tensors become megatron's (fused QKV, fused gate/up), for weights,
                    gradients and activations alike
     checkpoint.py  reading and validating a checkpoint folder; the weights megatron's loader asks for
-    stack.py       `--stack hf`: the same batch through transformers, written as a megalign dump
+    worker.py      `--stack hf`: the same batch through transformers, written as a megalign dump
 """

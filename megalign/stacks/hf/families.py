@@ -65,7 +65,7 @@ class Experts:
     def rules(self) -> tuple[Rule, ...]:
         moe, experts = f"{_L}.{self.block}", f"{_L}.{self.block}.experts.{{e}}"
         return (
-            # Routing is written by the router's own hook (stack.py), as kind `routing`.
+            # Routing is written by the router's own hook (worker.py), as kind `routing`.
             Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc1", (f"{experts}.{self.gate}", f"{experts}.{self.up}"), join="cat",
                  activation=None),

@@ -1,4 +1,5 @@
-"""Forward hooks that dump every module's output, and tensor hooks that dump its gradient.
+"""Forward hooks that dump every module's output, and tensor hooks that dump its gradient, each
+through megalign.Dumper's `add` with the sharding inferred here.
 
 The sharding of a module output follows megatron-core's conventions: inside the model tensors are
 sequence-first ([s, b, ...]); column-parallel linears and the core attention leave their last dim
@@ -19,9 +20,9 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megalign.dump.sharding import Sharding
-from megalign.dump.writer import RankWriter
+from megalign.dump.dumper import Dumper
 from megalign.spec import ModelConfig
-from megalign.stacks.megatron.model import global_name, layer_index, logits_layout
+from megalign.stacks.megatron.model import global_name, logits_layout
 
 _TP_LAST_DIM = ("ColumnParallel", "DotProductAttention", "ZigzagCPAttention")  # and megatron's core_attention
 _QK_NORMS = ("q_layernorm", "k_layernorm")
@@ -85,9 +86,9 @@ def _replayed(router: TopKRouter) -> Optional[torch.Tensor]:
 class ActivationCapture:
     """Registers hooks on every submodule of `model`; `remove()` takes them off again."""
 
-    def __init__(self, model: torch.nn.Module, writer: RankWriter, model_config: ModelConfig, local: LocalShape,
+    def __init__(self, model: torch.nn.Module, dumper: Dumper, model_config: ModelConfig, local: LocalShape,
                  grads: bool):
-        self.writer, self.model_config, self.local, self.grads = writer, model_config, local, grads
+        self.dumper, self.model_config, self.local, self.grads = dumper, model_config, local, grads
         self.last_stage = parallel_state.is_pipeline_last_stage()
         self.handles, self.routers = [], []
         for local, module in model.named_modules():
@@ -156,9 +157,8 @@ class ActivationCapture:
         self.handles.append(router.register_forward_hook(record))
 
     def _record_routing(self, key: str, module: str, tensor: torch.Tensor) -> None:
-        if self.writer.wants("routing", key):
-            self.writer.add("routing", key, tensor.detach(), self.local.seq_sharding(tensor, 0, 1), module=module,
-                            layer=layer_index(module))
+        if self.dumper.wants("routing", key):
+            self.dumper.add("routing", key, tensor.detach(), self.local.seq_sharding(tensor, 0, 1), module=module)
 
     def _input_hook(self, name: str):
         """The down projection's input: SwiGLU's output, a bare function with no module of its own.
@@ -175,13 +175,12 @@ class ActivationCapture:
     def _record(self, kind: str, key: str, name: str, tensor: torch.Tensor, sharding: Sharding, view=None) -> None:
         """Dump `tensor` (through `view`, if any) now and its gradient when backward reaches it."""
         view = view or (lambda t: t)
-        layer = layer_index(name)
-        if self.writer.wants(kind, key):
-            self.writer.add(kind, key, view(tensor), sharding, module=name, layer=layer)
-        if self.grads and tensor.requires_grad and self.writer.wants("activation_grad", key):
+        if self.dumper.wants(kind, key):
+            self.dumper.add(kind, key, view(tensor), sharding, module=name)
+        if self.grads and tensor.requires_grad and self.dumper.wants("activation_grad", key):
             def on_grad(grad: Optional[torch.Tensor]):
                 if grad is not None:
-                    self.writer.add("activation_grad", key, view(grad), sharding, module=name, layer=layer)
+                    self.dumper.add("activation_grad", key, view(grad), sharding, module=name)
 
             tensor.register_hook(on_grad)
 

@@ -18,10 +18,9 @@ import torch.distributed as dist
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
 from megalign.dump.coverage import check_coverage, has_gradient, read_grad
-from megalign.dump.writer import RankWriter
+from megalign.dump.dumper import Dumper
 from megalign.spec import RunSpec
-from megalign.stacks.megatron.model import (global_name, is_duplicate_embedding, layer_index,
-                                                      param_grad_layout, param_sharding)
+from megalign.stacks.megatron.model import global_name, is_duplicate_embedding, param_grad_layout, param_sharding
 
 
 def gather_sharded_grads(ddp) -> None:
@@ -46,7 +45,7 @@ def shard_grads(ddp) -> dict:
     return held
 
 
-def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, writer: RankWriter, spec: RunSpec) -> dict:
+def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: Dumper, spec: RunSpec) -> dict:
     """Dump every parameter's gradient; raise RunFailed naming the first parameters without one.
     `chunk` is the DDP-wrapped `model`."""
     held = None
@@ -66,6 +65,5 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, writer: 
             continue
         present += 1
         grad, sharding = param_grad_layout(spec.model, name, grad, param_sharding(spec.model, name, param))
-        writer.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], layer=layer_index(name),
-                   stable=True)
+        dumper.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], stable=True)
     return check_coverage(missing, len(missing) + present, spec.grad_source)

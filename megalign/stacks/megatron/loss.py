@@ -13,17 +13,17 @@ import torch
 import torch.distributed as dist
 
 from megalign.dump.sharding import Sharding
-from megalign.dump.writer import RankWriter
+from megalign.dump.dumper import Dumper
 from megalign.stacks.batch import mean_token_loss
 
 
-def token_loss(writer: RankWriter, loss_mask: torch.Tensor, loss_norm: str, per_token: torch.Tensor):
+def token_loss(dumper: Dumper, loss_mask: torch.Tensor, loss_norm: str, per_token: torch.Tensor):
     """megatron loss_func: `per_token` is [b, s_local] cross-entropy from GPTModel(labels=...)."""
     from megatron.core import parallel_state
 
     # The ranks that share one batch's tokens: DP ranks hold other sequences, CP ranks other chunks.
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    writer.add("logprobs", "logprobs", -per_token, Sharding(seq_dim=1, dp_dim=0))
+    dumper.add("logprobs", "logprobs", -per_token, Sharding(seq_dim=1, dp_dim=0))
     mask = loss_mask.float()
     local_count = mask.sum()
     count = local_count.clone()
@@ -32,6 +32,6 @@ def token_loss(writer: RankWriter, loss_mask: torch.Tensor, loss_norm: str, per_
     loss = mean_token_loss(per_token, mask, count)
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
-    writer.add("loss", "loss", total, Sharding())
+    dumper.add("loss", "loss", total, Sharding())
     # With calculate_per_token_loss, megatron neither divides nor rescales the returned loss.
     return loss, local_count.int(), {"loss": total}

@@ -186,11 +186,6 @@ def global_name(model: GPTModel, local_name: str) -> str:
     return name
 
 
-def layer_index(name: str):
-    match = _LAYER.match(name)
-    return int(match.group(1)) if match else None
-
-
 def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Parameter) -> Sharding:
     """megatron marks TP-split parameters with `tensor_model_parallel` and `partition_dim`; an expert's
     (`allreduce` False) are split over the expert TP ranks, which are the TP ranks or (ETP=1) none."""

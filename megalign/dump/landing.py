@@ -1,8 +1,11 @@
-"""Where a run writes, and how its dump lands: nothing half-written, nothing of the user's lost.
+"""Where a dump is written, and how it lands: nothing half-written, nothing of the user's lost.
 
-Workers write into `OUT.partial`, made with an exclusive mkdir and marked with a `.megalign-run`
-file naming the run (pid, host). Only when every rank has finished is it renamed to OUT, so a
-failed, killed or timed-out run leaves nothing behind, and two runs with the same --out cannot mix:
+The rules of --out, for every writer: megalign's runs (run/launch.py claims and lands the folder
+its workers write into) and megalign.Dumper (dumper.py, rank 0 claims and lands it).
+
+Ranks write into `OUT.partial`, made with an exclusive mkdir and marked with a `.megalign-run`
+file naming the writer (pid, host). Only when every rank has finished is it renamed to OUT, so a
+failed, killed or timed-out run leaves nothing behind, and two writers with the same OUT cannot mix:
 the second finds the first's staging folder and stops with an error. A folder the user made is
 never removed: a stale `OUT.partial` is cleared only when its marker names a process of this host
 that is gone, and `--overwrite` replaces only a folder that is provably a megalign dump.

@@ -1,16 +1,18 @@
-"""Progress and failure events from workers to the launcher: one `@@megalign {json}` line each.
+"""Progress and failure events from every stack's workers to the launcher (run/launch.py): one
+`@@megalign {json}` line each.
 
 Workers share the launcher's stdout, so a prefixed JSON line per event is enough: no socket, no
-file polling. Under `--launcher none` there is no launcher to read them: the rank's own megalign
-process sets a sink (launch.run_here) that renders them instead.
+file polling. A worker run in megalign's own process (`--launcher none`, `--stack hf`) has no
+launcher to read them: the process sets a sink (launch.py) that takes them instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 PREFIX = "@@megalign "
 
@@ -39,6 +41,16 @@ def emit_failure(rank: int, error: BaseException) -> None:
     own = isinstance(error, (UserError, RunFailed))
     emit("failed", rank, error=str(error) if own else f"{type(error).__name__}: {error}",
          user_error=isinstance(error, UserError), traceback="" if own else "".join(traceback.format_exception(error)))
+
+
+@contextlib.contextmanager
+def failures_reported(rank: int) -> Iterator[None]:
+    """A worker's whole run: a failure is reported, then raised again so that torchrun sees it too."""
+    try:
+        yield
+    except BaseException as error:
+        emit_failure(rank, error)
+        raise
 
 
 def parse(line: str) -> Optional[dict]:

@@ -1,8 +1,9 @@
 """One rank of a megatron-core forward or backward run: build, run the real schedule, dump.
 
-Started once per rank by torch's launcher (`python -m megalign.run.worker SPEC.json`), or
-in-process by `megalign ... --launcher none` under a user's own torchrun/srun. Progress and
-failures go to stdout as `@@megalign {json}` lines that the launcher reads (events.py).
+Started once per rank by torch's launcher (`python -m megalign.stacks.megatron.worker SPEC.json`),
+or in-process by `megalign ... --launcher none` under a user's own torchrun/srun. Progress and
+failures go to stdout as `@@megalign {json}` lines that the launcher reads (stacks/events.py). Every
+tensor is written through megalign.Dumper, with the sharding capture.py infers.
 """
 
 from __future__ import annotations
@@ -14,17 +15,14 @@ from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
-from megalign.run.events import emit, emit_failure
 from megalign.spec import RunSpec
+from megalign.stacks.events import emit, failures_reported
 
 
 def run_worker(spec: RunSpec) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    try:
+    with failures_reported(rank):
         _run(spec, rank)
-    except BaseException as error:  # reported to the launcher, then re-raised so that torchrun sees a failure
-        emit_failure(rank, error)
-        raise
 
 
 def _run(spec: RunSpec, rank: int) -> None:
@@ -46,11 +44,10 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megalign.dump.format import RankCoords
+    from megalign.dump.dumper import Dumper
     from megalign.dump.layout import cp_split_bounds, dp_rows
-    from megalign.dump.meta import write_dump_meta
+    from megalign.dump.meta import run_meta
     from megalign.dump.sharding import Sharding
-    from megalign.dump.writer import RankWriter
     from megalign.stacks.batch import batch_rows, build_batch
     from megalign.stacks.megatron.capture import ActivationCapture, LocalShape
     from megalign.stacks.megatron.grads import collect_param_grads
@@ -68,10 +65,9 @@ def _run(spec: RunSpec, rank: int) -> None:
     parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp,
                                              expert_model_parallel_size=layout.ep,
                                              expert_tensor_parallel_size=layout.expert_tp)
-    coords = RankCoords(rank=rank, tp_rank=parallel_state.get_tensor_model_parallel_rank(),
-                        cp_rank=parallel_state.get_context_parallel_rank(),
-                        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                        dp_rank=parallel_state.get_data_parallel_rank())
+    # The launcher has claimed spec.out and lands it. The Dumper reads this rank's coordinates from parallel_state.
+    dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, claim=False)
+    coords = dumper.coords
     if layout.expert_tp == layout.tp > 1 and parallel_state.get_expert_tensor_parallel_rank() != coords.tp_rank:
         raise RuntimeError("expert TP ranks differ from TP ranks: megalign cannot reassemble expert shards here")
     emit("started", rank)
@@ -108,15 +104,14 @@ def _run(spec: RunSpec, rank: int) -> None:
         batch = {k: v.cuda() for k, v in batch.items()}
     local = LocalShape(seq=batch["tokens"].shape[1], batch=batch["tokens"].shape[0], tp=layout.tp, sp=layout.sp)
 
-    writer = RankWriter(Path(spec.out), coords, stats_only=spec.stats_only, name_filter=spec.filter)
     if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
         for key, value in batch.items():
-            writer.add("input", key, value, Sharding(seq_dim=1, dp_dim=0))
+            dumper.add("input", key, value, Sharding(seq_dim=1, dp_dim=0))
     if spec.routing_replay:
         from megalign.stacks.megatron.moe import replay_routing
 
         replay_routing(model, spec, rows, coords)  # before the capture's hooks, which then see the forced choices
-    capture = ActivationCapture(model, writer, spec.model, local, grads=backward)
+    capture = ActivationCapture(model, dumper, spec.model, local, grads=backward)
 
     if backward:
         # Forward-only runs never wrap in DDP: its gradient buffers would be allocated for nothing.
@@ -135,7 +130,7 @@ def _run(spec: RunSpec, rank: int) -> None:
         data = next(data_iterator)
         losses = module(data["tokens"], data["position_ids"], attention_mask=None, labels=data["labels"],
                         packed_seq_params=packed)
-        return losses, partial(token_loss, writer, data["loss_mask"], spec.loss_norm)
+        return losses, partial(token_loss, dumper, data["loss_mask"], spec.loss_norm)
 
     schedule = get_forward_backward_func()
     with torch.set_grad_enabled(backward), precision(spec.dtype):
@@ -145,16 +140,13 @@ def _run(spec: RunSpec, rank: int) -> None:
     capture.remove()
     emit("backward" if backward else "forward", rank)
 
-    extra = {}
+    manifest = {}
     if backward:
-        extra["grad_coverage"] = collect_param_grads(chunk, model, writer, spec)
-    writer.close(extra)
+        manifest["grad_coverage"] = collect_param_grads(chunk, model, dumper, spec)
+    dumper.close(manifest, lambda: run_meta(spec, elapsed_s=time.monotonic() - started,
+                                            rows=[row.to_dict() for row in rows], cp_split=spec.cp_split))
     loss = float(reduced[0]["loss"]) if reduced else None
-    emit("written", rank, tensors=len(writer.records), bytes=writer.bytes_written, loss=loss)
-    dist.barrier()
-    if rank == 0:
-        write_dump_meta(spec, elapsed_s=time.monotonic() - started, rows=[row.to_dict() for row in rows],
-                        cp_split=spec.cp_split)
+    emit("written", rank, tensors=len(dumper.records), bytes=dumper.bytes_written, loss=loss)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     emit("done", rank)
@@ -193,7 +185,7 @@ def _planted_weights(weights):
 
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
-        sys.exit("usage: python -m megalign.run.worker SPEC.json")
+        sys.exit("usage: python -m megalign.stacks.megatron.worker SPEC.json")
     run_worker(RunSpec.from_json(Path(argv[0]).read_text()))
 
 

@@ -1,10 +1,11 @@
-"""`--stack hf`: the same padded batch through transformers' own model, written as a megalign dump.
+"""`--stack hf`: the same padded batch through transformers' own model, written as a megalign dump
+through megalign.Dumper.
 
-One process, no torchrun: transformers' eager attention, no attention mask (right padding under a
-causal mask is what megatron's run sees too), labels and loss mask from batch.build_batch, the loss
-normalised as in megatron/loss.py. Outputs and gradients with a megatron counterpart are written under the
-megatron name and layout (namemap.py), so that `megalign compare` lines them up; the rest under
-their HF names, where they show up as only-in-one-side rows.
+One rank in megalign's own process, no torchrun: transformers' eager attention, no attention mask
+(right padding under a causal mask is what megatron's run sees too), labels and loss mask from
+batch.build_batch, the loss normalised as in megatron/loss.py. Outputs and gradients with a megatron
+counterpart are written under the megatron name and layout (namemap.py), so that `megalign compare`
+lines them up; the rest under their HF names, where they show up as only-in-one-side rows.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import torch
 import torch.nn.functional as F
 
 from megalign.dump.coverage import check_coverage, has_gradient
-from megalign.dump.format import RankCoords, layer_of
-from megalign.dump.meta import package_version, write_dump_meta
+from megalign.dump.dumper import Dumper
+from megalign.dump.format import layer_of
+from megalign.dump.meta import package_version, run_meta
 from megalign.dump.sharding import Sharding
-from megalign.dump.writer import RankWriter
 from megalign.errors import UserError
 from megalign.spec import RunSpec
 from megalign.stacks.batch import DTYPES, batch_rows, build_batch, mean_token_loss
+from megalign.stacks.events import emit, failures_reported
 from megalign.stacks.hf.checkpoint import HFCheckpoint, open_checkpoint
 from megalign.stacks.hf.families import SAME, Rule
 from megalign.stacks.hf.namemap import NameMap
@@ -36,38 +38,47 @@ SEQ_FIRST = Sharding(seq_dim=0, dp_dim=1)  # megatron's layout of module outputs
 BATCH_FIRST = Sharding(seq_dim=1, dp_dim=0)  # inputs, logits, logprobs
 
 
-def run_hf(spec: RunSpec) -> tuple[RankWriter, float]:
-    """Run and write the whole dump (one rank, then dump.json) into `spec.out`; return the writer and the loss."""
+def run_worker(spec: RunSpec) -> None:
+    """Run and write the whole dump (one rank, then dump.json) into `spec.out`, a folder the caller has claimed."""
+    with failures_reported(0):
+        _run(spec)
+
+
+def _run(spec: RunSpec) -> None:
+    emit("started", 0)
     started = time.monotonic()
     checkpoint = open_checkpoint(Path(spec.hf))
     model = load_model(checkpoint, spec)
+    emit("built", 0)
     rows = batch_rows(spec)
     batch = build_batch(spec.tokens, rows)
     inputs = {k: v.to(spec.device) for k, v in batch.as_dict().items()}
-    writer = RankWriter(Path(spec.out), RankCoords(rank=0), stats_only=spec.stats_only, name_filter=spec.filter)
+    dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, claim=False)
     for key, value in inputs.items():
-        writer.add("input", key, value, BATCH_FIRST)
+        dumper.add("input", key, value, BATCH_FIRST)
 
     backward = spec.mode == "backward"
-    capture = HFCapture(model, checkpoint.names, writer, spec.seq_len, moe=checkpoint.family.experts is not None)
+    capture = HFCapture(model, checkpoint.names, dumper, spec.seq_len, moe=checkpoint.family.experts is not None)
     with torch.set_grad_enabled(backward), precision(spec.dtype):
         logits = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], use_cache=False).logits
-        writer.add("logits", "logits", logits, BATCH_FIRST)
+        dumper.add("logits", "logits", logits, BATCH_FIRST)
         labels = inputs["labels"]
         per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-        writer.add("logprobs", "logprobs", -per_token, BATCH_FIRST)
+        dumper.add("logprobs", "logprobs", -per_token, BATCH_FIRST)
         mask = inputs["loss_mask"]
         loss = mean_token_loss(per_token, mask, mask.sum())
-        writer.add("loss", "loss", loss, Sharding())
+        dumper.add("loss", "loss", loss, Sharding())
         if backward:
             loss.backward()
     capture.remove()
-    extra = {"grad_coverage": write_param_grads(model, checkpoint.names, writer, checkpoint.family.experts)} \
+    emit(spec.mode, 0)
+    manifest = {"grad_coverage": write_param_grads(model, checkpoint.names, dumper, checkpoint.family.experts)} \
         if backward else {}
-    writer.close(extra)
-    write_dump_meta(spec, elapsed_s=time.monotonic() - started, stack="hf", transformers=package_version("transformers"),
-                    rows=[row.to_dict() for row in rows], cp_split="document")
-    return writer, float(loss.detach())
+    dumper.close(manifest, lambda: run_meta(spec, elapsed_s=time.monotonic() - started, stack="hf",
+                                            transformers=package_version("transformers"),
+                                            rows=[row.to_dict() for row in rows], cp_split="document"))
+    emit("written", 0, tensors=len(dumper.records), bytes=dumper.bytes_written, loss=float(loss.detach()))
+    emit("done", 0)
 
 
 def load_model(checkpoint: HFCheckpoint, spec: RunSpec) -> torch.nn.Module:
@@ -87,8 +98,8 @@ class HFCapture:
     """Forward hooks on every HF module. An output with a megatron counterpart is written once all of
     its parts are in (q, k and v for linear_qkv), joined and made sequence-first."""
 
-    def __init__(self, model: torch.nn.Module, names: NameMap, writer: RankWriter, seq_len: int, moe: bool = False):
-        self.names, self.writer, self.seq_len = names, writer, seq_len
+    def __init__(self, model: torch.nn.Module, names: NameMap, dumper: Dumper, seq_len: int, moe: bool = False):
+        self.names, self.dumper, self.seq_len = names, dumper, seq_len
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         # Outputs that come while a join waits for its parts (Qwen3's q_norm runs before k_proj) are
         # written after it, in megatron's order: the fused linear_qkv runs before the q/k norms.
@@ -160,7 +171,7 @@ class HFCapture:
         if self.pending:
             return
         for kind, key, tensor, sharding, module in self.deferred:
-            self.writer.add(kind, key, tensor, sharding, module=module, layer=layer_of(module))
+            self.dumper.add(kind, key, tensor, sharding, module=module)
         self.deferred = []
 
     def remove(self) -> None:
@@ -168,7 +179,7 @@ class HFCapture:
             handle.remove()
 
 
-def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter, experts=None) -> dict:
+def write_param_grads(model: torch.nn.Module, names: NameMap, dumper: Dumper, experts=None) -> dict:
     """Gradients joined into megatron's parameters (fused QKV, fused gate/up); HF-only ones as they are.
     MoE experts, fused in memory, are first cut into the checkpoint's per-expert tensors."""
     grads = {name: param.grad for name, param in model.named_parameters()}
@@ -179,10 +190,8 @@ def write_param_grads(model: torch.nn.Module, names: NameMap, writer: RankWriter
     used = set()
     for megatron, (rule, parts) in names.params().items():
         value = names.join(rule, [grads[p] for p in parts], dim=0)
-        writer.add("param_grad", megatron, value, Sharding(), module=megatron.rsplit(".", 1)[0],
-                   layer=layer_of(megatron), stable=True)
+        dumper.add("param_grad", megatron, value, module=megatron.rsplit(".", 1)[0], stable=True)
         used.update(parts)
     for name in (n for n in grads if n not in used):
-        writer.add("param_grad", name, grads[name], Sharding(), module=name.rsplit(".", 1)[0], layer=layer_of(name),
-                   stable=True)
+        dumper.add("param_grad", name, grads[name], module=name.rsplit(".", 1)[0], stable=True)
     return coverage

@@ -6,10 +6,12 @@
             model(x).sum().backward()
         dumper.add("loss", "loss", loss)     # anything else, with its sharding where it is split
 
-The dump is written as megalign's own runs write theirs: each rank through dump/writer.py's
-RankWriter, into the staging folder of run/staging.py (OUT.partial, claimed exclusively), renamed
-to OUT by rank 0 at close once every rank's manifest is written, with dump.json (dump/meta.py). A
-failure inside the `with` block removes the staging folder: OUT never holds half a dump.
+megalign's own workers (stacks/megatron/worker.py, stacks/hf/worker.py) write through this class
+too, with `add` and the sharding they infer. Each rank writes through writer.py's RankWriter, into
+the staging folder of landing.py (OUT.partial, claimed exclusively), renamed to OUT by rank 0 at
+close once every rank's manifest is written, with dump.json (meta.py). A failure inside the `with`
+block removes the staging folder: OUT never holds half a dump. A megalign run's launcher claims
+and lands the folder itself (it outlives a killed worker): its workers pass `claim=False`.
 
 Ranks: one process is rank 0 of 1. Under torchrun the rank is torch.distributed's; the layout is
 megatron-core's parallel_state where it is initialised, otherwise every rank is a DP rank.
@@ -30,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from megalign.dump.coverage import has_gradient, read_grad
-from megalign.dump.format import KINDS, RankCoords, layer_of
-from megalign.dump.meta import write_meta
+from megalign.dump.format import DUMP_META, KINDS, RankCoords, TensorRecord, layer_of, write_json_atomic
+from megalign.dump.landing import check_out, staged, staging_dir
+from megalign.dump.meta import dump_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.writer import RankWriter
 from megalign.errors import UserError
-from megalign.run.staging import check_out, staged, staging_dir
 
 _PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
@@ -47,34 +49,59 @@ class Dumper:
     Every rank of a torchrun job makes its own Dumper with the same `out`. The dump appears at
     `close()` (or at the end of a `with` block), all at once; a refused `out` raises UserError on
     every rank before anything is written.
+
+    `stats_only`: per-tensor statistics instead of values. `name_filter`: a regex; only tensors whose
+    name it finds are written (inputs always). `claim=False`: `out` is a folder a launcher has
+    claimed and will land (megalign's runs): every rank writes into it as it is, and rank 0 adds
+    dump.json at close.
     """
 
-    def __init__(self, out, *, overwrite: bool = False):
+    def __init__(self, out, *, overwrite: bool = False, stats_only: bool = False,
+                 name_filter: Optional[str] = None, claim: bool = True):
         self.out = Path(out)
         self.coords, self.layout = _place()
         self._world = self.layout["tp"] * self.layout["pp"] * self.layout["cp"] * self.layout["dp"]
         self._landing = contextlib.ExitStack()  # holds the claimed staging folder until close()
+        if claim:
+            def claim_out() -> None:
+                check_out(self.out, overwrite)
+                self._landing.enter_context(staged(self.out, overwrite))
 
-        def claim() -> None:
-            check_out(self.out, overwrite)
-            self._landing.enter_context(staged(self.out, overwrite))
-
-        self._on_rank_zero(claim)
-        self._writer = RankWriter(staging_dir(self.out), self.coords)
+            self._on_rank_zero(claim_out)
+        self._folder = staging_dir(self.out) if claim else self.out  # where the ranks write
+        self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only, name_filter=name_filter)
         self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
         self._hooks: list = []
         self._steps: list[int] = []
         self._closed = False
 
-    def add(self, kind: str, name: str, tensor: torch.Tensor, sharding: Optional[Sharding] = None) -> None:
+    @property
+    def records(self) -> list[TensorRecord]:
+        """What this rank has written so far."""
+        return self._writer.records
+
+    @property
+    def bytes_written(self) -> int:
+        """This rank's bytes of tensor data, known after close()."""
+        return self._writer.bytes_written
+
+    def wants(self, kind: str, name: str) -> bool:
+        """Whether (kind, name) passes the name filter: a caller can skip the work of making it."""
+        return self._writer.wants(kind, name)
+
+    def add(self, kind: str, name: str, tensor: torch.Tensor, sharding: Optional[Sharding] = None, *,
+            module: Optional[str] = None, stable: bool = False) -> None:
         """Record `tensor` (copied now) as (kind, name). `sharding` says how this rank's tensor is a
         piece of the whole (megalign.Sharding: `dp_dim`, `seq_dim` (CP zigzag), `tp_dim`, `tp_parts`,
-        `sp`); None: every rank holds the whole tensor, a replica."""
+        `sp`); None: every rank holds the whole tensor, a replica. `module`: the module that made it,
+        if any. `stable`: the tensor will not change before close() (a parameter gradient after the
+        step), so it is written from where it is, not copied."""
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{kind} {name}: a torch.Tensor is needed, got {type(tensor).__name__}")
-        self._writer.add(kind, name, tensor, sharding or Sharding(), module=None, layer=layer_of(name))
+        self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
+                         layer=layer_of(module or name), stable=stable)
 
     def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0) -> None:
         """Dump the output of every submodule of `module` (kind activation, named by its path, with
@@ -83,8 +110,9 @@ class Dumper:
         gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
         rank computes the same outputs). Under megatron-core's TP or CP: NotImplementedError."""
         if self.layout["tp"] > 1 or self.layout["cp"] > 1:
-            # Outputs split over TP or CP ranks need megatron-core's inference (stacks/megatron/capture.py),
-            # not wired here yet: labelled as replicas they would be put back together wrong.
+            # Outputs split over TP or CP ranks need megatron-core's inference: megalign's worker has it
+            # (stacks/megatron/capture.py, which add()s each output with its Sharding), but dump/ does not
+            # import stacks/. Labelled as replicas they would be put back together wrong.
             raise NotImplementedError("watch() knows DP splits only; under TP or CP, add() each tensor with "
                                       "its megalign.Sharding")
 
@@ -105,32 +133,36 @@ class Dumper:
         for name, param in self._watched.items():
             grad = read_grad(param)
             if has_gradient(grad):
-                self._writer.add("param_grad", name, grad, Sharding(), module=name.rpartition(".")[0] or None,
-                                 layer=layer_of(name))
+                self.add("param_grad", name, grad, module=name.rpartition(".")[0] or None)
         self._steps.append(n)
 
-    def close(self) -> None:
-        """Write every rank's manifest, then (rank 0) dump.json, and rename the staging folder to `out`."""
+    def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
+        """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
+        rename the staging folder to `out`. `meta` makes dump.json's contents (a run's: meta.run_meta);
+        None: a Python writer's, made from what was written."""
         if self._closed:
             return
         self._closed = True
         self._unhook()
-        self._writer.close()
+        self._writer.close(manifest)
         if self._world > 1:
             dist.barrier()  # every manifest is on disk before dump.json says the dump is complete
 
         def land() -> None:
-            kinds = {record.kind for record in self._writer.records}
-            floats = [_PRECISIONS[r.dtype] for r in self._writer.records if r.dtype in _PRECISIONS]
-            # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
-            # must not loosen every tensor to bf16 (a 10% error passed).
-            dtype = next((p for p in ("fp64", "fp32", "bf16", "fp16") if p in floats), "fp32")
-            write_meta(staging_dir(self.out), "python",
-                       "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
-                       self.layout, self._world, {"dtype": dtype, "stats_only": False, "steps": self._steps})
+            write_json_atomic(self._folder / DUMP_META, (meta or self._meta)())
             self._landing.close()
 
         self._on_rank_zero(land)
+
+    def _meta(self) -> dict:
+        kinds = {record.kind for record in self.records}
+        floats = [_PRECISIONS[r.dtype] for r in self.records if r.dtype in _PRECISIONS]
+        # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
+        # must not loosen every tensor to bf16 (a 10% error passed).
+        dtype = next((p for p in ("fp64", "fp32", "bf16", "fp16") if p in floats), "fp32")
+        return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
+                         self.layout, self._world, {"dtype": dtype, "stats_only": self._writer.stats_only,
+                                                    "steps": self._steps})
 
     def abort(self) -> None:
         """Stop without a dump: hooks off, the staging folder removed (rank 0)."""
@@ -163,11 +195,10 @@ class Dumper:
     def _record(self, key: str, module: str, tensor: torch.Tensor, batch_dim: Optional[int]) -> None:
         split = batch_dim is not None and tensor.ndim > batch_dim and self.layout["dp"] > 1
         sharding = Sharding(dp_dim=batch_dim) if split else Sharding()
-        layer = layer_of(module)
-        self._writer.add("activation", key, tensor, sharding, module=module, layer=layer)
+        self.add("activation", key, tensor, sharding, module=module)
         if tensor.requires_grad:
             def on_grad(grad: torch.Tensor) -> None:
-                self._writer.add("activation_grad", key, grad, sharding, module=module, layer=layer)
+                self.add("activation_grad", key, grad, sharding, module=module)
 
             tensor.register_hook(on_grad)
 
