@@ -6,6 +6,8 @@ fp32 on the CPU: everything must agree to 1e-5 (seen: about 1e-6 and below).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import max_abs_diffs, tensors
 
@@ -57,6 +59,16 @@ def test_tp2_cp2_backward_matches_single_rank(dump):
     grads = {name for kind, name in diffs if kind == "param_grad"}
     assert len(grads) == TINY_PARAMETERS
     assert {"decoder.layers.0.mlp.linear_fc1.weight", "embedding.word_embeddings.weight"} <= grads
+
+
+def test_a_vocabulary_shard_no_token_reaches_still_has_a_gradient(dump, tmp_path):
+    """Token ids all under 64 of the 128: TP rank 1's rows of the embedding get an all-zero gradient,
+    which is a gradient all the same (the coverage check looks over the TP group). The check's own
+    twin, a DDP run read from `.grad` that has none, fails in test_run_errors.py."""
+    tokens = tmp_path / "low.json"
+    tokens.write_text(json.dumps([[(7 * i + 3 * row) % 60 for i in range(16)] for row in range(2)]))
+    diffs = assert_agree(dump("backward", "--tokens", tokens), dump("backward", "--tp", "2", "--tokens", tokens))
+    assert ("param_grad", "embedding.word_embeddings.weight") in diffs
 
 
 def test_pp2_backward_matches_pp1(dump):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
 from megalign.dump.coverage import check_coverage, has_gradient, read_grad
@@ -45,6 +46,16 @@ def shard_grads(ddp) -> dict:
     return held
 
 
+def _nonzero_in_tp_group(grads: dict) -> list[bool]:
+    """Whether each gradient is nonzero on some rank of the TP group: a vocabulary-parallel embedding's
+    shard is all zeros where no token of the batch falls in its rows, and is a gradient all the same.
+    (Every TP rank holds the same parameters in the same order.)"""
+    flags = torch.tensor([has_gradient(grad) for grad in grads.values()], dtype=torch.uint8)
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    return [bool(flag) for flag in flags]
+
+
 def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: Dumper, spec: RunSpec) -> dict:
     """Dump every parameter's gradient; raise RunFailed naming the first parameters without one.
     `chunk` is the DDP-wrapped `model`."""
@@ -54,13 +65,17 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: 
             held = shard_grads(chunk)
         else:
             gather_sharded_grads(chunk)
-    missing, present = [], 0
+    params, grads = {}, {}
     for local, param in model.named_parameters():
         name = global_name(model, local)
-        if is_duplicate_embedding(name, param):
-            continue  # the first stage dumps the word embeddings' gradient after finalize's all-reduce
-        grad = held.get(param) if held is not None else read_grad(param, spec.grad_source)
-        if not has_gradient(grad):
+        if not is_duplicate_embedding(name, param):  # the first stage dumps the word embeddings' gradient
+            params[name] = param
+            grads[name] = held.get(param) if held is not None else read_grad(param, spec.grad_source)
+    nonzero = _nonzero_in_tp_group(grads)
+    missing, present = [], 0
+    for (name, grad), anywhere in zip(grads.items(), nonzero):
+        param = params[name]
+        if grad is None or not anywhere:
             missing.append(name)
             continue
         present += 1
