@@ -33,9 +33,9 @@ def compile_pattern(option: str, text: str) -> re.Pattern:
         raise UserError(f"{option} {text!r} is not a valid regular expression: {e}") from None
 
 
-def read_user_text(path: Path, what: str) -> str:
+def read_user_text(path: Path, what: str, limit: int = MAX_USER_FILE) -> str:
     """The text of a file the user named (`what`: "config", "tokens file"), or a UserError saying why not.
-    Only a regular file of at most MAX_USER_FILE bytes is read (never /dev/zero, a FIFO or a disk)."""
+    Only a regular file of at most `limit` bytes is read (never /dev/zero, a FIFO or a disk)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO must not wait for a writer
         mode = os.fstat(fd).st_mode
@@ -46,9 +46,9 @@ def read_user_text(path: Path, what: str) -> str:
         with os.fdopen(fd, "rb") as file:
             # A buffered read of a size reads until it has that many bytes or the end (os.read may stop
             # short); bounded even when the file grows meanwhile.
-            data = file.read(MAX_USER_FILE + 1)
-        if len(data) > MAX_USER_FILE:
-            raise UserError(f"{what} {path} is larger than {MAX_USER_FILE >> 20} MiB; is it the right file?")
+            data = file.read(limit + 1)
+        if len(data) > limit:
+            raise UserError(f"{what} {path} is larger than {limit >> 20} MiB; is it the right file?")
         return data.decode("utf-8")
     except FileNotFoundError:
         raise UserError(f"{what} not found: {path}") from None

@@ -280,6 +280,9 @@ class RunSpec:
     model: ModelConfig = field(default_factory=ModelConfig)
     layout: Layout = field(default_factory=Layout)
     tokens: list = field(default_factory=list)  # list of token-id lists, one per sequence
+    # --rollout: per sequence, per position, 1 where the next token is a response token the loss counts;
+    # None: every position with a next token counts
+    label_mask: Optional[list] = None
     seq_len: int = 0
     device: Literal["cpu", "cuda"] = "cpu"  # --device, resolved
     dtype: Dtype = Numerics.dtype

@@ -13,12 +13,14 @@ from rich.markup import escape
 
 from megalign.compare.metrics import TensorMetrics
 from megalign.compare.outputs import check_outputs, write_replacing
+from megalign.compare.rollout_pair import open_pair
 from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
 from megalign.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                                 SKIPPED, Report, Row, compare_sources)
 from megalign.dump.format import Kind
 from megalign.errors import UserError
+from megalign.cli.rollout import print_rollout
 from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural, print_table, reader_may_leave,
                                  resolve_format,
                                  use_color)
@@ -119,7 +121,8 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     """Compare, print the table and summary, write the reports; the exit code (2 after a one-line error)."""
     try:
         thresholds = check_judging(judging, [a, b] + ([reference] if reference else []))
-        source_a, source_b = open_source(a), open_source(b)
+        pair = open_pair(a, b)  # a rollout file and a dump of its tokens, laid out alike
+        source_a, source_b = pair.sources() if pair else (open_source(a), open_source(b))
         source_r = open_source(reference) if reference else None
         report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
                                  allow_skipped=judging.allow_skipped, reference=source_r,
@@ -137,6 +140,8 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
                     resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
         console.print()
         _print_summary(report, judging)
+        if pair:
+            print_rollout(pair, report, judging.fmt)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     if judging.json_out is not None:
         from megalign.compare.report import write_jsonl

@@ -72,15 +72,21 @@ def check_stack(config: RunConfig) -> None:
                         "up with a padded one)")
 
 
-def plan_run(config: RunConfig) -> RunSpec:
-    """The RunSpec of `config`, its defaults resolved (--out, --dp, --seq-len, --device, the model, the tokens)."""
+def plan_run(config: RunConfig, rollout: Optional[tuple[list[list[int]], list[list[int]]]] = None) -> RunSpec:
+    """The RunSpec of `config`, its defaults resolved (--out, --dp, --seq-len, --device, the model, the tokens).
+    `rollout`: --rollout's (tokens, label mask) per sequence, read by the caller (compare/ reads rollout files)."""
     if config.launch.launcher == "none" and config.output.overwrite:
         raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
                         "the folder); remove --out first")
     check_stack(config)
     model = resolve_model(config)
     batch, p, numerics, output = config.batch, config.parallel, config.numerics, config.output
-    tokens = load_tokens(batch.tokens) if batch.tokens else default_tokens(model.vocab_size)
+    if batch.rollout and batch.tokens:
+        raise UserError("--rollout and --tokens cannot be combined: the rollout's prompts and responses are the tokens")
+    if bool(batch.rollout) != (rollout is not None):
+        raise ValueError("--rollout's tokens are read by the caller and passed as `rollout`")
+    tokens, label_mask = rollout if rollout else \
+        (load_tokens(batch.tokens) if batch.tokens else default_tokens(model.vocab_size), None)
     check_tokens(tokens, model.vocab_size)
     layout = Layout(tp=p.tp, pp=p.pp, cp=p.cp, dp=1 if p.dp is None else p.dp, sp=p.sp, ep=p.ep, etp=p.etp)
     layout.check_sizes()
@@ -99,7 +105,8 @@ def plan_run(config: RunConfig) -> RunSpec:
         raise UserError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")
     out = config.dump_folder()
     check_out(out, output.overwrite)
-    return RunSpec(mode=config.mode, out=str(out), model=model, layout=layout, tokens=tokens, seq_len=seq_len,
+    return RunSpec(mode=config.mode, out=str(out), model=model, layout=layout, tokens=tokens, label_mask=label_mask,
+                   seq_len=seq_len,
                    device=resolve_device(numerics.device), dtype=numerics.dtype, seed=numerics.seed,
                    attention=numerics.attention, loss_norm=numerics.loss_norm, grad_source=numerics.grad_source,
                    filter=output.filter, stats_only=output.stats_only, timeout_s=timeout_s,

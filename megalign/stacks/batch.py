@@ -7,6 +7,7 @@ document) and the loss mask are the same for every layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -80,21 +81,25 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_batch(tokens: list[list[int]], rows: list[BatchRow]) -> Batch:
+def build_batch(tokens: list[list[int]], rows: list[BatchRow], label_mask: Optional[list[list[int]]] = None) -> Batch:
     """The documents placed in their rows, in order; padding is token 0. Labels are the next token of
     the same document, positions restart at every document, and causal attention (within a document,
-    for packed rows) keeps real tokens from seeing the padding."""
+    for packed rows) keeps real tokens from seeing the padding. `label_mask` (a rollout's response
+    positions, one 0/1 per token of each document) narrows the loss mask."""
     width = rows[0].bounds[-1]
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     labels = torch.zeros_like(ids)
     loss_mask = torch.zeros(len(rows), width)
     positions = torch.zeros_like(ids)
     documents = iter(tokens)
+    masks = iter(label_mask) if label_mask is not None else None
     for r, row in enumerate(rows):
         for start, end, length in zip(row.bounds[:-1], row.bounds[1:], row.lengths):
             seq = torch.tensor(next(documents), dtype=torch.long)
             ids[r, start:start + length] = seq
             labels[r, start:start + length - 1] = seq[1:]
             loss_mask[r, start:start + length - 1] = 1.0  # a position has a label when the next token is real
+            if masks is not None:
+                loss_mask[r, start:start + length] *= torch.tensor(next(masks), dtype=loss_mask.dtype)
             positions[r, start:end] = torch.arange(end - start)
     return Batch(tokens=ids, labels=labels, loss_mask=loss_mask, position_ids=positions)

@@ -51,7 +51,7 @@ def _run(spec: RunSpec) -> None:
     model = load_model(checkpoint, spec)
     emit("built", 0)
     rows = batch_rows(spec)
-    batch = build_batch(spec.tokens, rows)
+    batch = build_batch(spec.tokens, rows, spec.label_mask)
     inputs = {k: v.to(spec.device) for k, v in batch.as_dict().items()}
     dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, claim=False)
     for key, value in inputs.items():

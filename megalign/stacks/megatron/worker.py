@@ -88,7 +88,7 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     backward = spec.mode == "backward"
     rows = batch_rows(spec)
-    batch = build_batch(spec.tokens, rows).as_dict()
+    batch = build_batch(spec.tokens, rows, spec.label_mask).as_dict()
     # Each DP rank takes its contiguous share of the rows, then each CP rank its chunks of those.
     mine = dp_rows(len(rows), layout.dp, coords.dp_rank)
     batch = {key: value[mine] for key, value in batch.items()}

@@ -1,0 +1,146 @@
+"""What a rollout's logprobs say beyond the logprobs row: the worst sequences, and the known causes.
+
+Over the response positions (the loss mask), with delta = trainer - rollout (tokens were drawn from
+the rollout, so k3 = mean((r - 1) - log r), r = exp(delta), estimates KL(rollout || trainer)):
+
+- the worst sequences by k3 and by max |delta|;
+- causes, each named instead of a wall of failures, tested on the numbers (the files do not record
+  which logprobs an engine returned; docs/compare.md):
+  - temperature: the engine's log softmax(logits / T) (SGLang's output logprobs, vLLM's
+    processed_logprobs), with T fitted to the trainer's logits;
+  - renormalisation over a top-p/top-k set (vLLM's processed_logprobs): every token's logprob raised
+    by the same -log(kept mass) as the rest of its set, so delta <= 0 on every token; a constant
+    offset when that is one number for all;
+  - logprobs one position off: the rollout's logprob of token k is the trainer's of token k +- 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+WORST = 5  # sequences listed per table: the outliers, not a second report
+EXPLAINED = 0.01  # a cause explains the gap when it leaves less than 1% of its mean square
+T_RANGE = (0.05, 20.0)
+
+
+@dataclass
+class SequenceGap:
+    sequence: int
+    tokens: int  # response positions compared
+    k3: float
+    max_abs_diff: float
+    position: int  # of the max
+    mean_abs_diff: float
+
+
+def sequence_gaps(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> list[SequenceGap]:
+    """Per sequence ([sequence, position] tensors), over its masked positions; sequences without one left out."""
+    gaps = []
+    delta = (trainer.double() - rollout.double()).nan_to_num(nan=math.inf)
+    for i in range(delta.shape[0]):
+        keep = mask[i] > 0
+        if not keep.any():
+            continue
+        d = delta[i][keep]
+        where = keep.nonzero().flatten()
+        worst = int(d.abs().argmax())
+        gaps.append(SequenceGap(sequence=i, tokens=int(keep.sum()),
+                                k3=float(((d.clamp(max=700).exp() - 1) - d).mean()), max_abs_diff=float(d.abs().max()),
+                                position=int(where[worst]), mean_abs_diff=float(d.abs().mean())))
+    return gaps
+
+
+def worst(gaps: list[SequenceGap], key: Callable[[SequenceGap], float], n: int = WORST) -> list[SequenceGap]:
+    return sorted(gaps, key=lambda g: -key(g))[:n]
+
+
+def causes(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
+           valid: torch.Tensor, logits: Callable[[], Optional[torch.Tensor]]) -> list[str]:
+    """The known causes the numbers show, in words. [sequence, position] tensors; `valid`: the positions
+    with a next token (the trainer has a logprob there); `logits`: the trainer's [sequence, position,
+    vocab], loaded only when needed (None when the dump has none)."""
+    keep = (mask > 0) & rollout.isfinite()
+    if not keep.any():
+        return []
+    r, d = rollout.double()[keep], trainer.double()[keep]
+    gap = _mean_square(r - d)
+    if gap == 0:
+        return []
+    found = [_shift(rollout.double(), trainer.double(), keep, valid > 0, gap)]
+    z = logits()
+    labels = tokens.roll(-1, dims=1)[keep]  # the token each kept position predicts
+    z = None if z is None else z[keep].double()
+    if z is not None:
+        found.append(_temperature(r, z, labels, gap))
+    found.append(_renormalised(r - d, z, labels))
+    return [f for f in found if f][:1]  # the first that explains the gap: the others then cannot
+
+
+def _mean_square(x: torch.Tensor) -> float:
+    return float(x.pow(2).mean())
+
+
+def _shift(rollout: torch.Tensor, trainer: torch.Tensor, keep: torch.Tensor, valid: torch.Tensor,
+           gap: float) -> Optional[str]:
+    for s, words in ((1, "the trainer's of the token after it"), (-1, "the trainer's of the token before it")):
+        there = trainer.roll(-s, dims=1)  # there[:, t] = trainer[:, t + s]
+        here = keep & valid.roll(-s, dims=1)  # t + s has a logprob of the trainer's (never wraps: see valid)
+        if here.sum() < max(2, int(keep.sum()) // 2):
+            continue
+        shifted = _mean_square(rollout[here] - there[here])
+        if shifted < EXPLAINED * gap:
+            return (f"logprobs shifted by one position: the rollout's logprob of each token is {words} "
+                    f"(rms |Δ| {math.sqrt(gap):.3g}, shifted {math.sqrt(shifted):.3g})")
+    return None
+
+
+def _at_temperature(z: torch.Tensor, labels: torch.Tensor, t: float) -> torch.Tensor:
+    scaled = z / t
+    return scaled.gather(1, labels[:, None]).squeeze(1) - scaled.logsumexp(dim=1)
+
+
+def _temperature(r: torch.Tensor, z: torch.Tensor, labels: torch.Tensor, gap: float) -> Optional[str]:
+    """Golden-section search of log T for the least squares between the rollout and log softmax(z / T)."""
+    def loss(log_t: float) -> float:
+        return _mean_square(r - _at_temperature(z, labels, math.exp(log_t)))
+
+    lo, hi = map(math.log, T_RANGE)
+    ratio = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if loss(a) < loss(b):
+            hi = b
+        else:
+            lo = a
+    t = math.exp((lo + hi) / 2)
+    fitted = loss(math.log(t))
+    at_one = loss(0.0)
+    if abs(t - 1) < 1e-3 or not fitted < EXPLAINED * at_one:
+        return None
+    return (f"temperature-scaled rollout: its logprobs are log softmax(logits / T) with T ≈ {t:.3f} (rms |Δ| "
+            f"{math.sqrt(at_one):.3g} at T = 1, {math.sqrt(fitted):.3g} at T = {t:.3f}); request the raw logprobs "
+            "(vLLM: --logprobs-mode raw_logprobs; SGLang: SGLANG_RETURN_ORIGINAL_LOGPROB=1) or compare at T")
+
+
+def _renormalised(excess: torch.Tensor, z: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> Optional[str]:
+    """excess = rollout - trainer: >= 0 on every token, and (with the logits) -log of a top-k mass."""
+    scale = float(excess.abs().mean())
+    if float(excess.min()) < -1e-3 * scale or scale < 1e-6:
+        return None
+    spread = float(excess.std()) if excess.numel() > 1 else 0.0
+    if spread < 1e-2 * scale:
+        return (f"a constant offset: the rollout's logprobs are the trainer's + {float(excess.mean()):.4g} on every "
+                "token (a normalisation over another set)")
+    if z is not None:
+        cumulative = z.softmax(dim=1).sort(dim=1, descending=True).values.cumsum(dim=1)
+        kept = (-excess).exp()
+        matched = (cumulative.log() - kept.log()[:, None]).abs().min(dim=1).values < 1e-3
+        if float(matched.double().mean()) < 0.95:
+            return None
+    return (f"top-p/top-k renormalisation: every rollout logprob is the trainer's + -log(kept mass), "
+            f"{float(excess.min()):.3g} to {float(excess.max()):.3g} (the engine returned processed logprobs: "
+            "vLLM --logprobs-mode raw_logprobs returns the raw ones)")

@@ -1,0 +1,103 @@
+"""`megalign compare FILE DUMP` (either order): a rollout file against a megalign dump of its tokens.
+
+Both sides are laid out [sequence, position] as the rollout has them: the dump's token tensors are
+mapped to their real tokens (lineup.real_tokens, whatever the dump's padding, packing or CP layout)
+and placed back one sequence a row. Three tensors are compared: the tokens and the loss mask
+(inputs, which must match exactly: the dump was run with --rollout FILE), and the logprobs at the
+positions where the file has one (the response, and the prompt where the file has prompt
+logprobs), both sides zero elsewhere. The loss mask (the response) is the mask of the RL metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megalign.compare.entries import Entry, Source, Value
+from megalign.compare.lineup import real_tokens
+from megalign.compare.sources import open_source
+from megalign.compare.sources.rollout import Rollout, is_rollout_file, read_rollout
+from megalign.errors import UserError
+
+
+@dataclass
+class RolloutPair:
+    rollout: Rollout
+    dump: Source  # the dump as opened, every tensor
+    rollout_first: bool  # the argument order: the rollout is A
+    tokens: torch.Tensor  # [sequence, position], as the rollout lays them out
+    logprobs: torch.Tensor  # the rollout's, float64, 0 where it has none
+    compared: torch.Tensor  # 1 where the rollout has a logprob
+    loss_mask: torch.Tensor  # 1 on the response positions that count
+
+    def sources(self) -> tuple[Source, Source]:
+        """(A, B) in the order given: the rollout's three tensors and the dump's same three."""
+        shape = list(self.tokens.shape)
+        mine = [_entry("input", "tokens", 0, self.tokens), _entry("input", "loss_mask", 1, self.loss_mask),
+                _entry("logprobs", "logprobs", 2, self.logprobs)]
+        theirs = [_entry("input", "tokens", 0, lambda: self.laid_out("input", "tokens"), shape),
+                  _entry("input", "loss_mask", 1, lambda: self.laid_out("input", "loss_mask"), shape),
+                  _entry("logprobs", "logprobs", 2, lambda: self.laid_out("logprobs", "logprobs") * self.compared,
+                         shape)]
+        responses = int(self.loss_mask.sum())
+        rollout = Source(path=self.rollout.path, format="rollout", entries=mine,
+                         description=f"rollout: {self.rollout.format}, {len(self.rollout.samples)} sequences, "
+                                     f"{responses} response tokens")
+        dump = Source(path=self.dump.path, format=self.dump.format, entries=theirs, precision=self.dump.precision,
+                      description=f"{self.dump.description}, on the rollout's tokens", model=self.dump.model,
+                      weights=self.dump.weights, stack=self.dump.stack, kernel=self.dump.kernel)
+        return (rollout, dump) if self.rollout_first else (dump, rollout)
+
+    def laid_out(self, kind: str, name: str) -> Optional[torch.Tensor]:
+        """The dump's tensor [rows, seq, ...] as [sequence, position, ...]; None when the dump has none."""
+        entry = next((e for e in self.dump.entries if e.kind == kind and e.name == name), None)
+        if entry is None:
+            return None
+        value = real_tokens(entry.load(), entry.batch_dim, entry.seq_dim, self.dump.rows)
+        if value.problem:
+            raise UserError(f"{self.dump.path}: {kind} {name}: {value.problem}")
+        flat = value.tensor
+        out = flat.new_zeros(*self.tokens.shape, *flat.shape[1:])
+        start = 0
+        for i, sample in enumerate(self.rollout.samples):
+            n = len(sample.tokens)
+            out[i, :n] = flat[start:start + n]
+            start += n
+        return out
+
+
+def _entry(kind: str, name: str, order: int, tensor, shape: Optional[list[int]] = None) -> Entry:
+    def load() -> Value:
+        t = tensor() if callable(tensor) else tensor
+        return Value(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."), tensor=t)
+
+    return Entry(kind=kind, name=name, order=(0, 0, order), layer=None, load=load,
+                 shape=shape or (None if callable(tensor) else list(tensor.shape)), batch_dim=0, seq_dim=1)
+
+
+def open_pair(a: Path, b: Path) -> Optional[RolloutPair]:
+    """The pair when one of `a`, `b` is a rollout file (.json, .jsonl), else None."""
+    a, b = Path(a), Path(b)
+    if not (is_rollout_file(a) or is_rollout_file(b)):
+        return None
+    if is_rollout_file(a) and is_rollout_file(b):
+        raise UserError(f"{a} and {b} are both rollout files: compare a rollout with a megalign dump of its tokens "
+                        "(megalign forward --rollout FILE)")
+    rollout_path, dump_path = (a, b) if is_rollout_file(a) else (b, a)
+    dump = open_source(dump_path)
+    if dump.format != "megalign" or dump.rows is None:
+        raise UserError(f"{dump_path}: a rollout is compared with a megalign dump of its tokens (megalign forward "
+                        f"--rollout {rollout_path}), not {dump.description}")
+    hf = (dump.dump.meta.get("hf_checkpoint") if dump.dump is not None else None)
+    rollout = read_rollout(rollout_path, Path(hf) if hf else None)
+    lengths = [n for row in dump.rows for n in row.lengths]
+    if lengths != [len(s.tokens) for s in rollout.samples]:
+        raise UserError(f"{dump_path} holds {len(lengths)} sequences of {sum(lengths)} tokens, the rollout "
+                        f"{len(rollout.samples)} of {sum(len(s.tokens) for s in rollout.samples)}: run megalign "
+                        f"forward --rollout {rollout_path}")
+    tokens, logprobs, compared, loss_mask = rollout.grid()
+    return RolloutPair(rollout=rollout, dump=dump, rollout_first=rollout_path == a, tokens=tokens, logprobs=logprobs,
+                       compared=compared, loss_mask=loss_mask)
