@@ -137,7 +137,7 @@ class _Vocabulary:
 
     def __init__(self, hf: Path):
         from transformers import AutoTokenizer
-        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(hf))
