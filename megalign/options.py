@@ -86,7 +86,8 @@ class Batch:
     seq_len: Optional[int] = option(None, "--seq-len", metavar="N",
                                     help="Pad every sequence to N tokens (a multiple of 2*cp); with --packed, the "
                                          "length of each packed row. Default: the longest sequence (packed: the "
-                                         "shortest row that holds them).")
+                                         "shortest row that holds them; --rollout: rounded up to a multiple of "
+                                         "2*cp).")
     packed: bool = option(False, "--packed",
                           help="THD: pack each DP rank's sequences into one row (megatron's PackedSeqParams, "
                                "cu_seqlens), every document padded to a multiple of 2*cp (times tp with --sp), "

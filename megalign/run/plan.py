@@ -93,6 +93,8 @@ def plan_run(config: RunConfig, rollout: Optional[tuple[list[list[int]], list[li
     if p.dp is None:
         layout = replace(layout, dp=layout.expert_dp())
     seq_len = resolve_seq_len(tokens, batch.seq_len)
+    if rollout and batch.seq_len is None:  # a rollout's lengths are the engine's: pad them to what CP (and SP) cut
+        seq_len = -(-seq_len // layout.packing_multiple) * layout.packing_multiple
     if batch.packed:
         seq_len = _packed_seq_len(tokens, batch.seq_len, layout)
     layout.check(model, seq_len, len(tokens))
