@@ -1,0 +1,104 @@
+"""Engine rollouts against the trainer, on the real SmolLM2 checkpoint (tests/real_checkpoint.py).
+
+transformers' `generate` with its KV cache is the live engine (rollout_engine.py): one generation of
+2 prompts and 16 new tokens, written in every format megalign reads. Each file's tokens and loss mask
+are what `megalign forward --rollout FILE --cp 2` runs (the same run for every file: the test checks
+that each file plans it), and `megalign compare FILE DUMP` passes at the default fp32 thresholds:
+generate's cached decode differs from the trainer's full forward by at most ~3e-5 in a logprob (rel
+diff ~3e-11, against 1e-8). Each twin fails and is named as its cause.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from conftest import invoke
+from real_checkpoint import build
+from rollout_engine import TEMPERATURE, generate, write_all
+
+from megalign.cli.run import _rollout, parse_run
+from megalign.run.plan import plan_run
+
+FORMATS = ("sglang.json", "vllm.json", "completions-echo.json", "completions-ids.json", "chat.jsonl",
+           "rollout.jsonl", "slime.jsonl")
+DUMPED = ("--filter", "^logits$|^logprobs$")  # the inputs are always dumped
+
+
+@pytest.fixture(scope="session")
+def rollouts(tmp_path_factory):
+    checkpoint = build()
+    samples, tokenizer = generate(checkpoint)
+    return checkpoint, write_all(tmp_path_factory.mktemp("rollouts"), samples, tokenizer)
+
+
+@pytest.fixture(scope="session")
+def trainer(rollouts, dump):
+    """`trainer(*layout)`: the forward dump of the JSONL rollout's tokens under that layout, once."""
+    checkpoint, files = rollouts
+    return lambda *layout: dump("forward", "--hf", checkpoint, "--rollout", files["rollout.jsonl"], *layout, *DUMPED)
+
+
+def compare(tmp_path, a, b):
+    report = tmp_path / "r.jsonl"
+    result = invoke("compare", a, b, "--json", report, "--format", "plain")
+    lines = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    return result, {row["name"]: row for row in lines[:-1]}
+
+
+def planned(checkpoint, path, tmp_path):
+    config = parse_run("forward", ["--hf", str(checkpoint), "--rollout", str(path), "--cp", "2",
+                                   "--out", str(tmp_path / "unused")])
+    return plan_run(config, _rollout(config))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_format_agrees_with_the_trainer_at_cp2(rollouts, trainer, tmp_path, name):
+    checkpoint, files = rollouts
+    spec, reference = planned(checkpoint, files[name], tmp_path), planned(checkpoint, files["rollout.jsonl"], tmp_path)
+    assert replace(spec, out="") == replace(reference, out="")  # the same tokens and loss mask: the same run
+    assert spec.seq_len % 4 == 0 and sum(map(sum, spec.label_mask)) == 32  # the 2 x 16 response tokens
+    result, rows = compare(tmp_path, files[name], trainer("--cp", "2"))
+    assert result.exit_code == 0, result.output
+    assert rows["tokens"]["status"] == rows["loss_mask"]["status"] == rows["logprobs"]["status"] == "pass"
+    assert rows["logprobs"]["logprobs"]["tokens"] == 32 and rows["logprobs"]["logprobs"]["max_abs_diff"] < 1e-4
+    assert "worst sequences by k3 KL" in result.output and "cause:" not in result.output
+
+
+def test_packed_trainer_agrees_dump_first(rollouts, trainer, tmp_path):
+    """RL trainers pack: the packed CP=2 run's logprobs line up with the rollout, either argument order."""
+    _, files = rollouts
+    result, rows = compare(tmp_path, trainer("--cp", "2", "--packed", "--attention", "torch"), files["sglang.json"])
+    assert result.exit_code == 0, result.output
+    assert rows["logprobs"]["status"] == "pass"
+
+
+def test_temperature_twin_is_named_with_its_t(rollouts, trainer, tmp_path):
+    _, files = rollouts
+    result, rows = compare(tmp_path, files["twin-temperature.json"], trainer("--cp", "2"))
+    assert result.exit_code == 1, result.output
+    assert rows["logprobs"]["status"] == "fail"
+    cause = next(line for line in result.output.splitlines() if line.startswith("cause:"))
+    assert "temperature" in cause, result.output
+    estimated = float(cause.split("T ≈ ")[1].split()[0])
+    assert abs(estimated - TEMPERATURE) < 1e-3
+
+
+def test_shift_twin_is_named(rollouts, trainer, tmp_path):
+    _, files = rollouts
+    result, _ = compare(tmp_path, files["twin-shift.jsonl"], trainer("--cp", "2"))
+    assert result.exit_code == 1, result.output
+    assert "cause: logprobs shifted by one position" in result.output
+    assert "temperature" not in result.output
+
+
+def test_unknown_file_is_one_line(rollouts, trainer, tmp_path):
+    checkpoint, files = rollouts
+    for args in (("compare", files["twin-unknown.jsonl"], trainer("--cp", "2")),
+                 ("forward", "--hf", checkpoint, "--rollout", files["twin-unknown.jsonl"], "--out", tmp_path / "o")):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and "not a rollout file" in lines[0] and "input, output, score, step" in lines[0]
+    assert not (tmp_path / "o").exists()
