@@ -18,7 +18,7 @@ from conftest import invoke
 from real_checkpoint import build
 from rollout_engine import TEMPERATURE, generate, write_all
 
-from megalign.cli.run import _rollout, parse_run
+from megalign.cli.run import parse_run, rollout_sequences
 from megalign.run.plan import plan_run
 
 FORMATS = ("sglang.json", "vllm.json", "completions-echo.json", "completions-ids.json", "chat.jsonl",
@@ -50,7 +50,7 @@ def compare(tmp_path, a, b):
 def planned(checkpoint, path, tmp_path):
     config = parse_run("forward", ["--hf", str(checkpoint), "--rollout", str(path), "--cp", "2",
                                    "--out", str(tmp_path / "unused")])
-    return plan_run(config, _rollout(config))
+    return plan_run(config, rollout_sequences(config))
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -102,3 +102,43 @@ def test_unknown_file_is_one_line(rollouts, trainer, tmp_path):
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and "not a rollout file" in lines[0] and "input, output, score, step" in lines[0]
     assert not (tmp_path / "o").exists()
+
+
+def _leaves(value, path=()):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, path + (key,))
+    elif isinstance(value, list) and value:
+        yield from _leaves(value[-1], path + (len(value) - 1,))  # the last entry: the first is often null
+    yield path
+
+
+def _replaced(content, path, new):
+    if not path:
+        return new
+    copy = list(content) if isinstance(content, list) else dict(content)
+    copy[path[0]] = _replaced(content[path[0]], path[1:], new)
+    return copy
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_damaged_file_is_refused_in_one_line(rollouts, tmp_path, name):
+    """Every field of every format replaced by a value of another type: read, or refused (UserError), never a
+    traceback."""
+    from megalign.compare.sources.rollout import read_rollout
+    from megalign.errors import UserError
+
+    checkpoint, files = rollouts
+    text = files[name].read_text()
+    lines = name.endswith(".jsonl")
+    content = [json.loads(line) for line in text.splitlines()] if lines else json.loads(text)
+    damaged = tmp_path / name
+    for path in set(_leaves(content)):
+        for new in ("x", None, -1, [], {}, [["x"]]):
+            changed = _replaced(content, path, new)
+            damaged.write_text("\n".join(map(json.dumps, changed)) if lines and isinstance(changed, list)
+                               else json.dumps(changed))
+            try:
+                read_rollout(damaged, checkpoint)
+            except UserError:
+                pass

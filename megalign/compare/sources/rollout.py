@@ -117,8 +117,13 @@ def read_rollout(path: Path, hf: Optional[Path] = None) -> Rollout:
             items = content if isinstance(content, list) else [content]
             if not all(isinstance(item, dict) and detect(item) for item in items):
                 raise UserError(f"{path}: a {name} file whose items are not all {name} objects")
-            samples = [s for k, item in enumerate(items)
-                       for s in read(item, f"{path}" + (f" item {k}" if len(items) > 1 else ""), hf)]
+            try:
+                samples = [s for k, item in enumerate(items)
+                           for s in read(item, f"{path}" + (f" item {k}" if len(items) > 1 else ""), hf)]
+            except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+                # the readers check what they take; a field of a shape they do not expect is named by Python
+                raise UserError(f"{path}: a {name} file with a field of another type or shape "
+                                f"({type(e).__name__}: {e})") from None
             if not samples:
                 raise UserError(f"{path}: a {name} file with no sample")
             return Rollout(path=path, format=name, samples=samples)

@@ -15,6 +15,7 @@ the lists): a chat template is not re-applied. Every choice is a sample.
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -127,8 +128,13 @@ def token_ids(pieces: list[tuple[Any, Optional[list[int]]]], hf: Optional[Path],
     if hf is None:
         raise UserError(f"{where}: tokens are strings; pass --hf CHECKPOINT to map them to token ids through its "
                         "tokenizer (or request return_tokens_as_token_ids / return_token_ids from vLLM)")
-    lookup = _Vocabulary(hf)
+    lookup = _vocabulary(hf)
     return [lookup.id_of(text, raw, f"{where}[{i}]") for i, (text, raw) in enumerate(pieces)]
+
+
+@functools.lru_cache(maxsize=2)  # loading a tokenizer takes a second: one per checkpoint and process
+def _vocabulary(hf: Path) -> "_Vocabulary":
+    return _Vocabulary(hf)
 
 
 class _Vocabulary:
