@@ -82,7 +82,9 @@ class Judging:
 
 def compare(
     a: Path = typer.Argument(..., metavar="A", show_default=False,
-                             help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors."),
+                             help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors; or "
+                                  "an engine's rollout file (.json, .jsonl) against a megalign forward --rollout dump "
+                                  "of it (either order)."),
     b: Path = typer.Argument(..., metavar="B", show_default=False, help="Second dump, of any of the same kinds."),
     filter: Filter = None,
     threshold: Threshold = None,
@@ -122,6 +124,9 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     try:
         thresholds = check_judging(judging, [a, b] + ([reference] if reference else []))
         pair = open_pair(a, b)  # a rollout file and a dump of its tokens, laid out alike
+        if pair and reference:
+            raise UserError("--reference with a rollout file: not supported yet (compare the rollout with the "
+                            "trainer's dump, and the trainer's dump with the reference)")
         source_a, source_b = pair.sources() if pair else (open_source(a), open_source(b))
         source_r = open_source(reference) if reference else None
         report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
