@@ -126,6 +126,9 @@ def read_rollout(path: Path, hf: Optional[Path] = None) -> Rollout:
                                 f"({type(e).__name__}: {e})") from None
             if not samples:
                 raise UserError(f"{path}: a {name} file with no sample")
+            if any(not sample.prompt for sample in samples):
+                raise UserError(f"{path}: a sample with an empty prompt (its first token has no context to be "
+                                "predicted from)")
             return Rollout(path=path, format=name, samples=samples)
     raise UserError(f"{path}: not a rollout file megalign reads ({_found(first)}); expected SGLang /generate, "
                     "vLLM, OpenAI-compatible completions or chat with logprobs, or JSONL with prompt_ids, "
@@ -141,14 +144,12 @@ def _parse(path: Path) -> Any:
         raise UserError(f"{path}: nested too deeply for a rollout file") from None
     except json.JSONDecodeError as whole:
         lines = [line for line in text.splitlines() if line.strip()]
+        if len(lines) < 2:
+            raise UserError(f"{path}: not JSON ({whole})") from None
         try:
-            return [json.loads(line) for line in lines] if len(lines) > 1 else _fail(whole)
+            return [json.loads(line) for line in lines]
         except (json.JSONDecodeError, RecursionError) as e:
             raise UserError(f"{path}: neither JSON nor JSON lines ({e})") from None
-
-
-def _fail(error: json.JSONDecodeError):
-    raise error
 
 
 def _found(first: Any) -> str:

@@ -40,8 +40,6 @@ def _sample(prompt: list[int], response: list[int], values: Any, mask: Optional[
     if not isinstance(values, list):
         raise UserError(f"{where}: the response logprobs must be a list")
     same_length(response, values, where)
-    if not prompt:
-        raise UserError(f"{where}: an empty prompt (the first response token has no context)")
     if mask is not None and not (isinstance(mask, list) and len(mask) == len(response)
                                  and all(m in (0, 1) for m in mask)):
         raise UserError(f"{where}: loss_mask must hold one 0 or 1 per response token")
