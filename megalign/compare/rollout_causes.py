@@ -135,12 +135,15 @@ def _renormalised(excess: torch.Tensor, z: Optional[torch.Tensor], labels: Optio
     if spread < 1e-2 * scale:
         return (f"a constant offset: the rollout's logprobs are the trainer's + {float(excess.mean()):.4g} on every "
                 "token (a normalisation over another set)")
-    if z is not None:
-        cumulative = z.softmax(dim=1).sort(dim=1, descending=True).values.cumsum(dim=1)
-        kept = (-excess).exp()
-        matched = (cumulative.log() - kept.log()[:, None]).abs().min(dim=1).values < 1e-3
-        if float(matched.double().mean()) < 0.95:
-            return None
+    if z is None:
+        return (f"the rollout's logprobs exceed the trainer's on every token ({float(excess.min()):.3g} to "
+                f"{float(excess.max()):.3g}): top-p/top-k renormalisation or a temperature below 1; the dump has no "
+                "logits to tell which (run without --filter, or with logits in it)")
+    cumulative = z.softmax(dim=1).sort(dim=1, descending=True).values.cumsum(dim=1)
+    kept = (-excess).exp()
+    matched = (cumulative.log() - kept.log()[:, None]).abs().min(dim=1).values < 1e-3
+    if float(matched.double().mean()) < 0.95:
+        return None
     return (f"top-p/top-k renormalisation: every rollout logprob is the trainer's + -log(kept mass), "
             f"{float(excess.min()):.3g} to {float(excess.max()):.3g} (the engine returned processed logprobs: "
             "vLLM --logprobs-mode raw_logprobs returns the raw ones)")

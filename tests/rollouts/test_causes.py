@@ -62,3 +62,10 @@ def test_worst_sequences_by_k3_and_max():
     assert [g.sequence for g in worst(gaps, lambda g: g.max_abs_diff, n=1)] == [1]
     assert gaps[1].position == 6 and gaps[0].k3 == 0.0
     assert [g.sequence for g in worst(gaps, lambda g: g.k3)][:2] == [1, 2]
+
+
+def test_without_logits_an_excess_is_named_without_choosing():
+    _, tokens, _, trainer, mask, valid = _case()
+    excess = torch.rand(trainer.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    found = _named(trainer + excess, trainer, mask, tokens, valid, None)
+    assert found and "renormalisation or a temperature below 1" in found[0]
