@@ -82,9 +82,9 @@ class Judging:
 
 def compare(
     a: Path = typer.Argument(..., metavar="A", show_default=False,
-                             help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors; or "
-                                  "an engine's rollout file (.json, .jsonl) against a megalign forward --rollout dump "
-                                  "of it (either order)."),
+                             help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors; "
+                                  "or an engine's rollout file (.json, .jsonl) against a megalign forward --rollout "
+                                  "dump of it (either order)."),
     b: Path = typer.Argument(..., metavar="B", show_default=False, help="Second dump, of any of the same kinds."),
     filter: Filter = None,
     threshold: Threshold = None,
