@@ -124,11 +124,9 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     try:
         thresholds = check_judging(judging, [a, b] + ([reference] if reference else []))
         pair = open_pair(a, b)  # a rollout file and a dump of its tokens, laid out alike
-        if pair and reference:
-            raise UserError("--reference with a rollout file: not supported yet (compare the rollout with the "
-                            "trainer's dump, and the trainer's dump with the reference)")
         source_a, source_b = pair.sources() if pair else (open_source(a), open_source(b))
-        source_r = open_source(reference) if reference else None
+        reference_dump = open_source(reference) if reference else None
+        source_r = pair.view(reference_dump) if pair and reference_dump else reference_dump
         report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
                                  allow_skipped=judging.allow_skipped, reference=source_r,
                                  allow_missing=judging.allow_missing, strict_nonfinite=judging.strict_nonfinite)
@@ -146,7 +144,7 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
         console.print()
         _print_summary(report, judging)
         if pair:
-            print_rollout(pair, report, judging.fmt)
+            print_rollout(pair, report, judging.fmt, reference_dump)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     if judging.json_out is not None:
         from megalign.compare.report import write_jsonl

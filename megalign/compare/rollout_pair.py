@@ -6,6 +6,8 @@ and placed back one sequence a row. Three tensors are compared: the tokens and t
 (inputs, which must match exactly: the dump was run with --rollout FILE), and the logprobs at the
 positions where the file has one (the response, and the prompt where the file has prompt
 logprobs), both sides zero elsewhere. The loss mask (the response) is the mask of the RL metrics.
+An fp64 dump of the same tokens (--reference) is laid out alike, and judges which side is off: the
+engine's logprobs are held to an fp32 run's rounding budget.
 """
 
 from __future__ import annotations
@@ -35,30 +37,38 @@ class RolloutPair:
 
     def sources(self) -> tuple[Source, Source]:
         """(A, B) in the order given: the rollout's three tensors and the dump's same three."""
-        shape = list(self.tokens.shape)
         mine = [_entry("input", "tokens", 0, self.tokens), _entry("input", "loss_mask", 1, self.loss_mask),
                 _entry("logprobs", "logprobs", 2, self.logprobs)]
-        theirs = [_entry("input", "tokens", 0, lambda: self.laid_out("input", "tokens"), shape),
-                  _entry("input", "loss_mask", 1, lambda: self.laid_out("input", "loss_mask"), shape),
-                  _entry("logprobs", "logprobs", 2, lambda: self.laid_out("logprobs", "logprobs") * self.compared,
-                         shape)]
         responses = int(self.loss_mask.sum())
-        rollout = Source(path=self.rollout.path, format="rollout", entries=mine,
+        # The engine's precision is not in the file: its logprobs are judged as an fp32 run's (--reference).
+        rollout = Source(path=self.rollout.path, format="rollout", entries=mine, precision="fp32",
                          description=f"rollout: {self.rollout.format}, {len(self.rollout.samples)} sequences, "
                                      f"{responses} response tokens")
-        dump = Source(path=self.dump.path, format=self.dump.format, entries=theirs, precision=self.dump.precision,
-                      description=f"{self.dump.description}, on the rollout's tokens", model=self.dump.model,
-                      weights=self.dump.weights, stack=self.dump.stack, kernel=self.dump.kernel)
+        dump = self.view(self.dump)
         return (rollout, dump) if self.rollout_first else (dump, rollout)
 
-    def laid_out(self, kind: str, name: str) -> Optional[torch.Tensor]:
-        """The dump's tensor [rows, seq, ...] as [sequence, position, ...]; None when the dump has none."""
-        entry = next((e for e in self.dump.entries if e.kind == kind and e.name == name), None)
+    def view(self, dump: Source) -> Source:
+        """A dump's tokens, loss mask and logprobs (where the rollout has one) as the rollout lays them out."""
+        check_rows(dump, self.rollout)
+        shape = list(self.tokens.shape)
+        entries = [_entry("input", "tokens", 0, lambda: self.laid_out("input", "tokens", dump), shape),
+                   _entry("input", "loss_mask", 1, lambda: self.laid_out("input", "loss_mask", dump), shape),
+                   _entry("logprobs", "logprobs", 2,
+                          lambda: self.laid_out("logprobs", "logprobs", dump) * self.compared, shape)]
+        return Source(path=dump.path, format=dump.format, entries=entries, precision=dump.precision,
+                      description=f"{dump.description}, on the rollout's tokens", model=dump.model,
+                      weights=dump.weights, stack=dump.stack, kernel=dump.kernel)
+
+    def laid_out(self, kind: str, name: str, dump: Optional[Source] = None) -> Optional[torch.Tensor]:
+        """A dump's tensor [rows, seq, ...] (the trainer's by default) as [sequence, position, ...]; None
+        when the dump has none."""
+        dump = dump or self.dump
+        entry = next((e for e in dump.entries if e.kind == kind and e.name == name), None)
         if entry is None:
             return None
-        value = real_tokens(entry.load(), entry.batch_dim, entry.seq_dim, self.dump.rows)
+        value = real_tokens(entry.load(), entry.batch_dim, entry.seq_dim, dump.rows)
         if value.problem:
-            raise UserError(f"{self.dump.path}: {kind} {name}: {value.problem}")
+            raise UserError(f"{dump.path}: {kind} {name}: {value.problem}")
         flat = value.tensor
         out = flat.new_zeros(*self.tokens.shape, *flat.shape[1:])
         start = 0
@@ -67,6 +77,18 @@ class RolloutPair:
             out[i, :n] = flat[start:start + n]
             start += n
         return out
+
+
+def check_rows(dump: Source, rollout: Rollout) -> None:
+    """A megalign dump whose documents are the rollout's sequences, in order."""
+    if dump.format != "megalign" or dump.rows is None:
+        raise UserError(f"{dump.path}: a rollout is compared with megalign dumps of its tokens (megalign forward "
+                        f"--rollout {rollout.path}), not {dump.description}")
+    lengths = [n for row in dump.rows for n in row.lengths]
+    if lengths != [len(s.tokens) for s in rollout.samples]:
+        raise UserError(f"{dump.path} holds {len(lengths)} sequences of {sum(lengths)} tokens, the rollout "
+                        f"{len(rollout.samples)} of {sum(len(s.tokens) for s in rollout.samples)}: run megalign "
+                        f"forward --rollout {rollout.path}")
 
 
 def _entry(kind: str, name: str, order: int, tensor, shape: Optional[list[int]] = None) -> Entry:
@@ -88,16 +110,9 @@ def open_pair(a: Path, b: Path) -> Optional[RolloutPair]:
                         "(megalign forward --rollout FILE)")
     rollout_path, dump_path = (a, b) if is_rollout_file(a) else (b, a)
     dump = open_source(dump_path)
-    if dump.format != "megalign" or dump.rows is None:
-        raise UserError(f"{dump_path}: a rollout is compared with a megalign dump of its tokens (megalign forward "
-                        f"--rollout {rollout_path}), not {dump.description}")
-    hf = (dump.dump.meta.get("hf_checkpoint") if dump.dump is not None else None)
+    hf = dump.dump.meta.get("hf_checkpoint") if dump.dump is not None else None
     rollout = read_rollout(rollout_path, Path(hf) if hf else None)
-    lengths = [n for row in dump.rows for n in row.lengths]
-    if lengths != [len(s.tokens) for s in rollout.samples]:
-        raise UserError(f"{dump_path} holds {len(lengths)} sequences of {sum(lengths)} tokens, the rollout "
-                        f"{len(rollout.samples)} of {sum(len(s.tokens) for s in rollout.samples)}: run megalign "
-                        f"forward --rollout {rollout_path}")
+    check_rows(dump, rollout)
     tokens, logprobs, compared, loss_mask = rollout.grid()
     return RolloutPair(rollout=rollout, dump=dump, rollout_first=rollout_path == a, tokens=tokens, logprobs=logprobs,
                        compared=compared, loss_mask=loss_mask)
