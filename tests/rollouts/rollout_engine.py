@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -32,11 +33,14 @@ class Generated:
     prompt_logprobs: list  # [None, log P(p1 | p0), ...]: the engine's prefill
 
 
-def generate(checkpoint: Path) -> tuple[list[Generated], object]:
+def generate(checkpoint: Path, eps_layer: Optional[int] = None) -> tuple[list[Generated], object]:
+    """`eps_layer`: the planted engine bug, that layer's input norm epsilon 1e-6 instead of the model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    if eps_layer is not None:
+        model.model.layers[eps_layer].input_layernorm.variance_epsilon = 1e-6
     torch.manual_seed(0)
     samples = []
     with torch.no_grad():

@@ -16,9 +16,10 @@ from dataclasses import replace
 import pytest
 from conftest import invoke
 from real_checkpoint import build
-from rollout_engine import TEMPERATURE, generate, write_all
+from rollout_engine import TEMPERATURE, generate, jsonl, write_all
 
 from megalign.cli.run import parse_run, rollout_sequences
+from megalign.compare.sources.rollout import read_rollout
 from megalign.run.plan import plan_run
 
 FORMATS = ("sglang.json", "vllm.json", "completions-echo.json", "completions-ids.json", "chat.jsonl",
@@ -40,11 +41,23 @@ def trainer(rollouts, dump):
     return lambda *layout: dump("forward", "--hf", checkpoint, "--rollout", files["rollout.jsonl"], *layout, *DUMPED)
 
 
-def compare(tmp_path, a, b):
+@pytest.fixture(scope="session")
+def reference(rollouts, dump):
+    """The fp64 run of the rollout's tokens (transformers, in process)."""
+    checkpoint, files = rollouts
+    return dump("forward", "--stack", "hf", "--dtype", "fp64", "--hf", checkpoint, "--rollout",
+                files["rollout.jsonl"], *DUMPED)
+
+
+def compare(tmp_path, a, b, *args):
     report = tmp_path / "r.jsonl"
-    result = invoke("compare", a, b, "--json", report, "--format", "plain")
+    result = invoke("compare", a, b, "--json", report, "--format", "plain", *args)
     lines = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     return result, {row["name"]: row for row in lines[:-1]}
+
+
+def rollout_tokens(path):
+    return read_rollout(path).tokens()
 
 
 def planned(checkpoint, path, tmp_path):
@@ -93,6 +106,28 @@ def test_shift_twin_is_named(rollouts, trainer, tmp_path):
     assert "temperature" not in result.output
 
 
+def test_reference_finds_no_side_off(rollouts, trainer, reference, tmp_path):
+    _, files = rollouts
+    result, rows = compare(tmp_path, files["vllm.json"], trainer("--cp", "2"), "--reference", reference)
+    assert result.exit_code == 0, result.output
+    assert rows["logprobs"]["reference"]["off"] is None
+    assert "per token against the reference" in result.output
+
+
+def test_engine_with_one_norm_epsilon_changed_is_the_side_off(rollouts, trainer, reference, tmp_path):
+    """The engine's layer 0 input norm with epsilon 1e-6 (the model's is 1e-5): the same tokens are sampled,
+    their logprobs move by up to ~2e-3, and the fp64 reference puts it on the engine (A)."""
+    checkpoint, files = rollouts
+    samples, _ = generate(checkpoint, eps_layer=0)
+    planted = tmp_path / "eps.jsonl"
+    planted.write_text("\n".join(map(json.dumps, jsonl(samples))))
+    assert rollout_tokens(planted) == rollout_tokens(files["rollout.jsonl"])  # the trainer's run serves
+    result, rows = compare(tmp_path, planted, trainer("--cp", "2"), "--reference", reference)
+    assert result.exit_code == 1, result.output
+    assert rows["logprobs"]["status"] == "fail" and rows["logprobs"]["reference"]["off"] == "A"
+    assert "A off" in result.output
+
+
 def test_unknown_file_is_one_line(rollouts, trainer, tmp_path):
     checkpoint, files = rollouts
     for args in (("compare", files["twin-unknown.jsonl"], trainer("--cp", "2")),
@@ -125,7 +160,6 @@ def _replaced(content, path, new):
 def test_a_damaged_file_is_refused_in_one_line(rollouts, tmp_path, name):
     """Every field of every format replaced by a value of another type: read, or refused (UserError), never a
     traceback."""
-    from megalign.compare.sources.rollout import read_rollout
     from megalign.errors import UserError
 
     checkpoint, files = rollouts
