@@ -90,8 +90,13 @@ class KindScale:
     tolerance: float
 
     def note(self) -> str:
+        """The summary's line."""
         return (f"{self.kind}{self.step} rescaled as a whole: median norm ratio B/A {self.median_ratio:.6g} "
                 f"over {self.tensors} tensors, tolerance ±{self.tolerance:.2g}")
+
+    def row_note(self) -> str:
+        """Each of its rows' note: short, as a note under an 80-column table is one line."""
+        return f"rescaled as a whole: median norm ratio B/A {self.median_ratio:.4g}"
 
 
 def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[KindScale, list[int]]]:

@@ -174,7 +174,7 @@ def _judge_kinds(rows: list[Row]) -> list[KindScale]:
     for whole, indices in off:
         for row in (rows[index] for index in indices):
             if not row.scale.off:  # a row off on its own says so already
-                row.notes.append(whole.note())
+                row.notes.append(whole.row_note())
             row.status = FAIL
     return [whole for whole, _ in off]
 
