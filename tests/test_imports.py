@@ -15,7 +15,8 @@ import pytest
 import megalign
 
 PACKAGE = Path(megalign.__file__).parent
-BASE = {"megalign", "megalign.spec", "megalign.errors"}
+# The layout module (Layout and its rules) is base: the run's spec holds a Layout, both sides use it.
+BASE = {"megalign", "megalign.spec", "megalign.errors", "megalign.dump.layout"}
 # Which parts each part may import, besides itself and the base modules.
 # The two stacks share only stacks/'s own modules: transformers' stack must not pay megatron-core's
 # import, nor megatron's import transformers.
