@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from megalign.compare.entries import Entry, Source, phase
-from megalign.compare.reassemble import Shard, full_shape, reassemble
+from megalign.compare.plan import Shard, full_shape
+from megalign.compare.reassemble import reassemble
 from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump
 

@@ -1,4 +1,4 @@
-"""`megalign.open`: a dump, read the way `megalign compare` reads it.
+"""`megalign.open` (re-exported by `megalign`): a dump, read the way `megalign compare` reads it.
 
 A thin view over compare's sources (compare/sources/): the same detection of what a path is, the
 same names, and the same reassembly of each tensor from its rank files, so that a tensor seen here is
