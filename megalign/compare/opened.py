@@ -8,7 +8,6 @@ or the files' headers; a tensor is read when it is asked for.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -16,6 +15,7 @@ from typing import Optional
 import torch
 
 from megalign.compare.entries import Entry, Source
+from megalign.compare.explain import near_names
 from megalign.compare.sources import open_source
 from megalign.dump.format import TensorRecord
 from megalign.dump.reader import Dump as DumpFiles
@@ -128,7 +128,7 @@ class Dump:
         if kinds:
             raise UnknownTensor(f"{self.path} has no {kind} {name!r}; it has {name!r} as kind "
                            f"{', '.join(map(repr, kinds))}")
-        close = difflib.get_close_matches(name, [n for k, n in self._entries if k == kind], n=3)
+        close = near_names(name, [n for k, n in self._entries if k == kind])
         hint = f"; close names: {', '.join(close)}" if close else f"; names() lists its {len(self._entries)} tensors"
         raise UnknownTensor(f"{self.path} has no {kind} {name!r}{hint}")
 
