@@ -13,6 +13,7 @@ Under PP a name lives on one stage, whose ranks are exactly the shards given.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional
 
@@ -80,7 +81,8 @@ class Plan:
         """The plan as lines: the split, then every rank, in rank order: where its piece goes, or
         whose replica it is."""
         splits = ", ".join(_split_text(s) for s in self.splits) or "not split: every rank holds all of it"
-        lines = [f"{_shape_text(self.shape)} from {plural(len(self.pieces), 'piece')} of "
+        count = len(self.pieces)
+        lines = [f"{_shape_text(self.shape)} from {count} piece{'' if count == 1 else 's'} of "
                  f"{_shape_text(self.shard_shape)}; {splits}"]
         ranks: list[tuple[int, str]] = []
         for piece in self.pieces:
@@ -92,7 +94,7 @@ class Plan:
 
 
 class Unassemblable(ValueError):
-    """Shards are missing, or differ in shape: the tensor cannot be put back together."""
+    """Shards are missing, differ in shape, or do not make up the whole: the tensor cannot be put back together."""
 
 
 def same_shape(shapes: Iterable[tuple[int, ...]]) -> None:
@@ -125,12 +127,15 @@ def make_plan(shards: list[Shard], layout: Layout,
     if len(placed) != expected:
         axes = " x ".join(f"{s.size} {'TP' if s.axis == 'SP' else s.axis}" for s in splits)
         raise Unassemblable(f"has {len(placed)} of the {expected} shards its split ({axes}) makes")
-    first = shards[0].record
+    shape, first = full_shape(shards, layout), shards[0].record
+    if len(placed) * math.prod(first.shape) != math.prod(shape):  # ranks that claim the same coordinates
+        raise Unassemblable(f"has shards of {_shape_text(first.shape)} that do not make up its "
+                            f"{_shape_text(shape)} (ranks that claim the same place)")
     pieces = tuple(Piece(coords=shard.rank.coords,
                          runs=_runs(shard, layout, splits, row_bounds(shard.rank.coords.dp_rank)),
                          replicas=tuple(Replica(r.rank.coords, read=not _same_content(shard, r)) for r in replicas))
                    for shard, replicas in placed.values())
-    return Plan(shape=tuple(full_shape(shards, layout)), shard_shape=tuple(first.shape), splits=splits,
+    return Plan(shape=tuple(shape), shard_shape=tuple(first.shape), splits=splits,
                 pieces=pieces)
 
 
@@ -203,10 +208,6 @@ def full_shape(shards: list[Shard], layout: Layout) -> list[int]:
     if sharding.dp_dim is not None:
         shape[sharding.dp_dim] *= layout.dp
     return shape
-
-
-def plural(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 's'}"
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

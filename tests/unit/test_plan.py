@@ -124,6 +124,12 @@ def test_a_missing_shard_is_unassemblable():
         make_plan([shard(0, [4, 3], Sharding(seq_dim=0, tp_dim=1))], Layout(tp=2, cp=2))
 
 
+def test_shards_that_do_not_make_up_the_whole_are_unassemblable():
+    """Two ranks claiming one TP rank of a TP-split tensor: the shape counts both, the plan places one."""
+    with pytest.raises(Unassemblable, match=r"has shards of 4 that do not make up its 8 \(ranks that claim the same place\)"):
+        make_plan([shard(0, [4], Sharding(tp_dim=0)), shard(1, [4], Sharding(tp_dim=0))], Layout(pp=2))
+
+
 def test_replicas_of_different_shapes_are_unassemblable():
     with pytest.raises(Unassemblable, match=r"replicas of different shapes \[\(4,\), \(5,\)\]"):
         make_plan([shard(0, [4], Sharding()), shard(1, [5], Sharding(), tp=1)], Layout(tp=2))
