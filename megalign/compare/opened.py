@@ -18,6 +18,7 @@ from megalign.compare.entries import Entry, Source
 from megalign.compare.explain import near_names
 from megalign.compare.sources import open_source
 from megalign.dump.format import TensorRecord
+from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump as DumpFiles
 from megalign.dump.reader import RankManifest
 from megalign.dump.sharding import Sharding
@@ -89,6 +90,12 @@ class Dump:
     def meta(self) -> dict:
         """What ran: dump.json of a megalign dump (stack, mode, layout, model, dtype, ...); {} otherwise."""
         return self._source.dump.meta if self._source.dump is not None else {}
+
+    @property
+    def layout(self) -> Optional[Layout]:
+        """How a megalign dump's ranks split the work: tp, pp, cp, dp, sp, ep, etp (`describe()` prints
+        it as compare does); None for other formats."""
+        return self._source.dump.layout if self._source.dump is not None else None
 
     def names(self, kind: Optional[str] = None) -> list[tuple[Optional[str], str]]:
         """(kind, name) of every tensor in execution order (forward, activation gradients, parameter
