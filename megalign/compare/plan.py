@@ -31,7 +31,7 @@ class Shard:
 
 
 class Run(NamedTuple):
-    """Along one dim: `length` positions of the shard from `local` on land at `start` on of the whole."""
+    """Along one dim: the shard's `length` positions from `local` land on the whole's from `start`."""
 
     local: int
     start: int
