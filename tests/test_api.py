@@ -85,6 +85,12 @@ def test_shards_of_a_cp2_tensor(dump):
     assert torch.equal(pieces[0], torch.cat([whole[:seq // 4], whole[-seq // 4:]]))
 
 
+def test_a_dumps_layout_is_typed_and_prints_as_compare_prints_it(dump):
+    cp2 = megalign.open(dump("backward", "--cp", "2"))
+    assert (cp2.layout.tp, cp2.layout.cp, cp2.layout.dp, cp2.layout.sp) == (1, 2, 1, False)
+    assert cp2.layout.describe() == "tp=1 pp=1 cp=2" and cp2.layout.describe() in cp2.description
+
+
 def test_unknown_names_and_stats_only(dump, tmp_path):
     cp1 = megalign.open(dump("backward"))
     with pytest.raises(KeyError, match="close names: decoder.layers.0.mlp"):

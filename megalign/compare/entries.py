@@ -71,8 +71,8 @@ class Entry:
     # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
     # in a caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
-    # megalign dumps: the rank records it is put together from (reassemble.Shard), for the Python API's
-    # Dump.shards(); typed loosely so that this module and reassemble.py need not import each other.
+    # megalign dumps: the rank records it is put together from (plan.Shard), for the Python API's
+    # Dump.shards() and --explain; typed loosely so that this module and plan.py need not import each other.
     shards: Optional[list] = None
 
 

@@ -81,7 +81,7 @@ class TensorRecord:
     file: Optional[str] = None  # None for stats-only records
     key: Optional[str] = None
     stats: Optional[TensorStats] = None
-    # xxh3_128 of the tensor's bytes, hex: replicas with equal hashes are read once (compare/reassemble.py)
+    # xxh3_128 of the tensor's bytes, hex: replicas with equal hashes are read once (compare/plan.py)
     hash: Optional[str] = None
 
     def to_dict(self) -> dict:

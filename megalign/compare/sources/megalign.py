@@ -12,7 +12,9 @@ from typing import Optional
 import torch
 
 from megalign.compare.entries import Entry, Source, phase
-from megalign.compare.reassemble import Shard, full_shape, reassemble
+from megalign.compare.plan import Shard, full_shape
+from megalign.compare.reassemble import reassemble
+from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump
 
 
@@ -41,27 +43,25 @@ def _open(path: Path) -> Source:
             seen[(record.kind, record.name)] += 1
             name = record.name if repeat == 0 else f"{record.name}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
-    meta, layout = dump.meta, dump.layout()
+    meta = dump.meta
     entries = [_entry(dump, kind, name, shards) for (kind, name), shards in groups.items()]
-    description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, "
-                   f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
-                   + (f" dp={layout['dp']}" if layout.get("dp", 1) > 1 else "") + (" sp" if layout.get("sp") else "")
-                   + (f" ep={layout['ep']}" if isinstance(layout.get("ep"), int) and layout["ep"] > 1 else "")
+    description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
                    + (", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
-                  weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"), kernel=_kernel(meta))
+                  weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"),
+                  kernel=_kernel(meta, dump.layout))
 
 
-def _kernel(meta: dict) -> str:
+def _kernel(meta: dict, layout: Layout) -> str:
     """The attention kernel as far as dump.json tells. `auto` picks by device (TE on CUDA where it is
     installed), then megatron's local attention at CP=1 unpacked and megalign's otherwise (docs/running.md)."""
     attention = meta.get("attention")
     if attention != "auto":
         return str(attention)
-    local = (meta.get("layout") or {}).get("cp", 1) == 1 and not meta.get("packed")
+    local = layout.cp == 1 and not meta.get("packed")
     return f"auto: {'local' if local else 'megalign'} on {meta.get('device')}"
 
 
@@ -74,7 +74,7 @@ def _weights(meta: dict) -> Optional[str]:
 
 def _entry(dump: Dump, kind: str, name: str, shards: list[Shard]) -> Entry:
     record = shards[0].record
-    shape = full_shape(shards, dump.layout())
+    shape = full_shape(shards, dump.layout)
     itemsize = getattr(torch, record.dtype).itemsize
     return Entry(kind=kind, name=name, order=_order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
                  shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
