@@ -18,9 +18,10 @@ from megalign.dump.format import Kind
 from megalign.dump.layout import BatchRow
 from megalign.dump.stats import TensorStats
 
-# Execution order: forward tensors (every other kind, and foreign ones: phase 0), then activation
-# gradients (in backward order), then the parameter gradients that the optimizer step would see.
-PHASES = {Kind.ACTIVATION_GRAD: 1, Kind.PARAM_GRAD: 2}
+# Execution order: the parameters the forward uses, forward tensors (every other kind, and foreign
+# ones: phase 0), then activation gradients (in backward order), then the parameter gradients that
+# the optimizer step would see.
+PHASES = {Kind.PARAM: -1, Kind.ACTIVATION_GRAD: 1, Kind.PARAM_GRAD: 2}
 
 
 @dataclass

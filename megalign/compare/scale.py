@@ -47,7 +47,8 @@ ONE_SIGNED = 0.5  # |mean| / rms from which a tensor's sum is compared
 WHOLE_KINDS = ("param_grad", "activation_grad")
 WHOLE_LEAST = 8
 WHOLE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.025}
-_STEP = re.compile(r"@\d+$")  # a later step's repeat of a name (sources/megalign.py)
+# a step's name (step1/...) or a later step's repeat of a name (sources/megalign.py)
+_STEP = re.compile(r"^step\d+/|@\d+$")
 
 
 @dataclass

@@ -43,6 +43,7 @@ class Kind(StrEnum):
     LOGPROBS = "logprobs"
     LOSS = "loss"
     ROUTING = "routing"
+    PARAM = "param"  # a parameter's value, at the end of a Dumper step (before the optimizer step)
 
 
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)

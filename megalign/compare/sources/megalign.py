@@ -35,16 +35,21 @@ def open_megalign(path: Path) -> Source:
 def _open(path: Path) -> Source:
     dump = Dump.open(path)
     groups: dict[tuple[str, str], list[Shard]] = {}
+    several = isinstance(dump.meta.get("steps"), list) and len(dump.meta["steps"]) > 1
+    steps: dict[tuple[str, str], tuple] = {}  # where a dump holds several steps: each entry's (step,)
     for rank in dump.ranks:
         seen: Counter = Counter()
         for record in rank.records:
+            step = _step(rank.extra.get("steps"), record.order) if several else None
+            label = record.name if step is None else f"step{step}/{record.name}"
             # A module called twice per step dumps its name twice: the repeats get @1, @2, ...
-            repeat = seen[(record.kind, record.name)]
-            seen[(record.kind, record.name)] += 1
-            name = record.name if repeat == 0 else f"{record.name}@{repeat}"
+            repeat = seen[(record.kind, label)]
+            seen[(record.kind, label)] += 1
+            name = label if repeat == 0 else f"{label}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
+            steps[(record.kind, name)] = () if not several else (-1 if step is None else step,)
     meta = dump.meta
-    entries = [_entry(dump, kind, name, shards) for (kind, name), shards in groups.items()]
+    entries = [_entry(dump, kind, name, shards, steps[(kind, name)]) for (kind, name), shards in groups.items()]
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
@@ -72,11 +77,20 @@ def _weights(meta: dict) -> Optional[str]:
     return f"seed {meta['seed']}" if meta.get("seed") is not None else None
 
 
-def _entry(dump: Dump, kind: str, name: str, shards: list[Shard]) -> Entry:
+def _step(marks: Optional[list], order: int) -> Optional[int]:
+    """The step a record was written in, from its manifest's [step, first record] marks (Dumper)."""
+    found = None
+    for mark in marks if isinstance(marks, list) else []:
+        if isinstance(mark, list) and len(mark) == 2 and all(type(v) is int for v in mark) and order >= mark[1]:
+            found = mark[0]
+    return found
+
+
+def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: tuple) -> Entry:
     record = shards[0].record
     shape = full_shape(shards, dump.layout)
     itemsize = getattr(torch, record.dtype).itemsize
-    return Entry(kind=kind, name=name, order=_order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
+    return Entry(kind=kind, name=name, order=step + _order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
                  shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
                  nbytes=None if record.file is None else math.prod(shape) * itemsize, shards=shards)
 
