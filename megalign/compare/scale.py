@@ -85,7 +85,7 @@ def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetri
 class KindScale:
     """A kind's tensors of one step, rescaled as a whole: their median norm ratio B/A."""
     kind: str
-    step: str  # "" for the first step, "@k" for a later one
+    step: str  # "" for the first step, "@k" for a later one, " stepN" in a dump that names its steps
     median_ratio: float
     tensors: int
     tolerance: float
@@ -107,7 +107,8 @@ def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[Kin
     for key, kind, name, scale in judged:
         if kind in WHOLE_KINDS and 0 < scale.norm_ratio < math.inf:
             step = _STEP.search(name)
-            group = groups.setdefault((kind, step.group() if step else "", scale.precision), {})
+            label = "" if not step else step.group() if step.group().startswith("@") else f" {step.group()[:-1]}"
+            group = groups.setdefault((kind, label, scale.precision), {})
             group[key] = scale.norm_ratio
     off = []
     for (kind, step, precision), found in groups.items():
