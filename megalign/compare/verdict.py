@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 
 from megalign.compare import absent
-from megalign.compare.buffers import BufferPool
+from megalign.compare.buffers import BufferPool, check_fits
 from megalign.compare.entries import Entry, Source, Value
 from megalign.compare.fused import Sums
 from megalign.compare.lineup import line_up
@@ -248,6 +248,7 @@ class _Comparison:
             row.status, row.shape_a, row.shape_b = APART, pair.a.shape, pair.b.shape
             row.notes.append(apart)
             return row
+        check_fits(self._lease_bytes(pair), f"comparing {pair.kind} {pair.name}")
         window = self._window(pair)
         if window:
             return self._streamed(row, pair, window)
