@@ -149,7 +149,11 @@ class Dumper:
             dist.barrier()  # every manifest is on disk before dump.json says the dump is complete
 
         def land() -> None:
-            write_json_atomic(self._folder / DUMP_META, (meta or self._meta)())
+            try:
+                write_json_atomic(self._folder / DUMP_META, (meta or self._meta)())
+            except BaseException as error:  # no dump.json, no dump: the staging folder goes too
+                self._landing.__exit__(type(error), error, error.__traceback__)
+                raise
             self._landing.close()
 
         self._on_rank_zero(land)
