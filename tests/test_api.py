@@ -183,3 +183,15 @@ def test_a_dumper_dump_is_judged_at_its_widest_float_dtype(tmp_path):
     result = invoke("compare", tmp_path / "a", tmp_path / "b")
     assert result.exit_code == 1, result.output
     assert invoke("compare", tmp_path / "a", tmp_path / "a").exit_code == 0
+
+
+def test_a_dump_json_that_cannot_be_written_leaves_nothing(tmp_path):
+    """Rank 0's last write fails (here a folder sits where dump.json goes): no dump, and no staging
+    folder left behind either."""
+    out = tmp_path / "out"
+    dumper = megalign.Dumper(out)
+    dumper.add("loss", "loss", torch.tensor(1.0))
+    (tmp_path / "out.partial" / "dump.json" / "in-the-way").mkdir(parents=True)
+    with pytest.raises(OSError):
+        dumper.close()
+    assert list(tmp_path.iterdir()) == []

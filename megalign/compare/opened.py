@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from megalign.compare.buffers import check_fits
 from megalign.compare.entries import Entry, Source
 from megalign.compare.explain import near_names
 from megalign.compare.sources import open_source
@@ -107,6 +108,7 @@ class Dump:
         DP, SP, EP), exactly as compare sees it: a CPU tensor. KeyError for a name the dump does not
         hold; ValueError for a --stats-only dump or shards that do not make up the tensor."""
         entry = self._entry(kind, name)
+        check_fits(entry.nbytes or 0, f"{kind} {name} of {self.path}")
         value = entry.load()
         if value.problem:
             raise ValueError(f"{self.path}: {kind} {name} cannot be put back together: it {value.problem}")

@@ -38,15 +38,14 @@ import torch.distributed as dist
 
 from megalign.dump.coverage import has_gradient, read_grad
 from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
-from megalign.dump.format import DUMP_META, KINDS, RankCoords, TensorRecord, layer_of, write_json_atomic
+from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
+                                  write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
 from megalign.dump.meta import dump_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter
 from megalign.errors import UserError
-
-_PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 class Dumper:
@@ -213,17 +212,21 @@ class Dumper:
             dist.barrier()  # every manifest is on disk before dump.json says the dump is complete
 
         def land() -> None:
-            write_json_atomic(self._folder / DUMP_META, (meta or self._meta)())
+            try:
+                write_json_atomic(self._folder / DUMP_META, (meta or self._meta)())
+            except BaseException as error:  # no dump.json, no dump: the staging folder goes too
+                self._landing.__exit__(type(error), error, error.__traceback__)
+                raise
             self._landing.close()
 
         self._on_rank_zero(land)
 
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
-        floats = [_PRECISIONS[r.dtype] for r in self.records if r.dtype in _PRECISIONS]
+        floats = [precision_name(r.dtype) for r in self.records if precision_name(r.dtype)]
         # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
         # must not loosen every tensor to bf16 (a 10% error passed).
-        dtype = next((p for p in ("fp64", "fp32", "bf16", "fp16") if p in floats), "fp32")
+        dtype = max(floats, key=PRECISIONS.index, default="fp32")
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                          self.layout, self._world, {"dtype": dtype, "stats_only": self._writer.stats_only,
                                                     "steps": self._steps})

@@ -96,6 +96,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# A run's precision as dump.json names it (thresholds are set per precision), narrowest first.
+PRECISIONS = ("fp16", "bf16", "fp32", "fp64")
+_PRECISION_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def precision_name(dtype: str) -> Optional[str]:
+    """`bfloat16` (a stored dtype) or `bf16` (a run's) -> `bf16`; None for what is not a float."""
+    return dtype if dtype in PRECISIONS else _PRECISION_OF_DTYPE.get(dtype)
+
 
 
 _LAYER = re.compile(r"layers\.(\d+)(?:\.|$)")

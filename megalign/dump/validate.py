@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.dump.format import FORMAT, KINDS, VERSION, RankCoords, TensorRecord
+from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import Sharding
 from megalign.dump.stats import TensorStats
@@ -22,7 +22,6 @@ from megalign.errors import UserError
 # The dtypes safetensors stores, by the names dtype_name() writes.
 DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8,
           "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # and their sizes in bytes
-RUN_DTYPES = ("fp32", "bf16", "fp16", "fp64")  # a run's precision in dump.json, which sets its thresholds
 LAYOUT_AXES = ("tp", "pp", "cp")  # every dump has them; dp came later, 1 when absent
 
 
@@ -60,8 +59,8 @@ def check_meta(raw: Any, where: str) -> tuple[dict, Layout]:
     if meta.get("version") != VERSION:
         raise Malformed(f"{where}: dump format version {meta.get('version')!r} is not supported "
                         f"(this megalign reads version {VERSION})")
-    if meta.get("dtype") not in RUN_DTYPES:  # thresholds follow it: a missing one would loosen nothing safely
-        raise Malformed(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(RUN_DTYPES)}")
+    if meta.get("dtype") not in PRECISIONS:  # thresholds follow it: a missing one would loosen nothing safely
+        raise Malformed(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(PRECISIONS)}")
     layout = check_layout(meta.get("layout"), f"{where}: layout")
     if meta.get("world_size") != layout.world_size:
         raise Malformed(f"{where}: world_size {meta.get('world_size')!r} is not the product of the layout "
