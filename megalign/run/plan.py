@@ -50,7 +50,7 @@ def resolve_model(config: RunConfig) -> ModelConfig:
 
         given = open_checkpoint(source.hf).model
     if source.load:
-        return checkpoint_model(checkpoint_folder(source.load), given, "--hf" if source.hf else "--config")
+        return checkpoint_model(checkpoint_folder(source.load), given, f"--hf {source.hf}" if source.hf else f"--config {source.config}")
     return given or ModelConfig()
 
 

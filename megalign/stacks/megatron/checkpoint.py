@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 from megatron.core.models.gpt import GPTModel
 
 from megalign.errors import UserError
-from megalign.spec import RunSpec
+from megalign.spec import ModelConfig, RunSpec
 from megalign.stacks.dist_checkpoint import write_model
 
 # The pickle-reaching names replaced while a checkpoint is read ("module:attribute").
@@ -45,14 +45,15 @@ _INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.ch
                   "torch.distributed.checkpoint.filesystem", "torch.distributed._shard.sharded_tensor.metadata")
 # GPTModel's modules: a checkpoint's other keys (Megatron-LM's optimizer state, ...) are not the model's.
 _MODEL_ROOTS = ("embedding", "decoder", "output_layer")
+_PADDING_ROWS = 128 * 64
 _INDEX_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
 
-def load_checkpoint(model: GPTModel, folder: Path, model_name: str) -> None:
+def load_checkpoint(model: GPTModel, folder: Path, model_config: ModelConfig) -> None:
     """Set every parameter of this rank from the checkpoint in `folder`; a missing tensor, one of another
     shape or one this model has no place for is a UserError (all ranks find the same)."""
     with _held_back(folder):
-        _check_tensors(model, folder, model_name, dist_checkpointing.load_tensors_metadata(str(folder)))
+        _check_tensors(model, folder, model_config, dist_checkpointing.load_tensors_metadata(str(folder)))
         tensors_only = {k: v for k, v in model.sharded_state_dict().items() if not isinstance(v, ShardedObject)}
         state = dist_checkpointing.load(tensors_only, str(folder))
     result = model.load_state_dict(state, strict=False)
@@ -69,26 +70,35 @@ def save_checkpoint(model: GPTModel, folder: Path, spec: RunSpec) -> None:
         write_model(folder, spec.model, {**weights, "dtype": spec.dtype, "layout": spec.layout.describe()})
 
 
-def _check_tensors(model: GPTModel, folder: Path, model_name: str, stored: dict) -> None:
+def _check_tensors(model: GPTModel, folder: Path, model_config: ModelConfig, stored: dict) -> None:
     """This rank's tensors against the checkpoint's index: present, of the same global shape (the vocabulary's
     rows may differ by padding, which megatron-core fills), and no model tensor in it that this model lacks."""
+    name, vocab_size = model_config.name, model_config.vocab_size
     sharded = model.sharded_state_dict()
     apply_factories(sharded)
     wanted = {t.key: t for t in nested_values(sharded) if isinstance(t, ShardedTensor)}
     missing = sorted(set(wanted) - set(stored))
     if missing:
-        raise UserError(f"--load {folder}: {len(missing)} tensor(s) of model {model_name!r} missing, e.g. {missing[0]}")
+        raise UserError(f"--load {folder}: {len(missing)} tensor(s) of model {name!r} missing, e.g. {missing[0]}")
     for key, tensor in wanted.items():
         have, want = tuple(stored[key].global_shape), tuple(tensor.global_shape)
-        if have != want and not (tensor.allow_shape_mismatch and have[1:] == want[1:]):
+        if have != want and not (tensor.allow_shape_mismatch and _vocab_padding(have, want, vocab_size)):
             raise UserError(f"--load {folder}: {key} is {list(have)} in the checkpoint and {list(want)} in model "
-                            f"{model_name!r}: another model's checkpoint")
+                            f"{name!r}: another model's checkpoint")
     everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, sorted(wanted))  # a stage builds only its part of the model
     alien = sorted(set(k for k in stored if k.split(".")[0] in _MODEL_ROOTS) - set().union(*everyone))
     if alien:
-        raise UserError(f"--load {folder}: {len(alien)} tensor(s) model {model_name!r} has no place for, e.g. "
+        raise UserError(f"--load {folder}: {len(alien)} tensor(s) model {name!r} has no place for, e.g. "
                         f"{alien[0]}: another model's checkpoint")
+
+
+def _vocab_padding(have: tuple, want: tuple, vocab_size: int) -> bool:
+    """The vocabulary's rows (the tensors megatron-core loads with allow_shape_mismatch) may differ by padding
+    alone: megatron-core copies the rows both have and zeroes the model's others. The checkpoint's must cover
+    the real vocabulary, with fewer padding rows than Megatron-LM adds (make_vocab_size_divisible_by 128 times
+    TP, up to 64): more would be another tokenizer's vocabulary."""
+    return have[1:] == want[1:] and vocab_size <= have[0] < vocab_size + _PADDING_ROWS
 
 
 @contextlib.contextmanager

@@ -79,7 +79,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     if spec.load:
         from megalign.stacks.megatron.checkpoint import load_checkpoint
 
-        load_checkpoint(model, Path(spec.load), spec.model.name)
+        load_checkpoint(model, Path(spec.load), spec.model)
     elif spec.hf:
         from megalign.stacks.hf.checkpoint import megatron_weights, open_checkpoint
 
