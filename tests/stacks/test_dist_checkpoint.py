@@ -21,8 +21,8 @@ from smollm2 import compare, run, smollm2  # noqa: F401 (run, smollm2: fixtures)
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 SWAPPED = (3, 5)
-# The twin's loaded run dumps the layers up to the swap and the outputs.
-UP_TO_SWAP = r"^embedding$|^decoder\.layers\.[0-5](\.|$)|^logits$|^loss$"
+# The twin's loaded run dumps (and compare reads) the layers up to the swap and the outputs.
+UP_TO_SWAP = r"^embedding(\.|$)|^decoder\.layers\.[0-5](\.|$)|^logits$|^loss$"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_a_checkpoint_with_two_layers_swapped_is_caught_at_the_first(saved, dump
     folder = root / "checkpoint"
     dump(*short_run(smollm2, "--hf", converted, "--save", folder, "--filter", "^loss$"))
     loaded = dump(*short_run(smollm2, "--load", folder, "--pp", "2", "--filter", UP_TO_SWAP))
-    result, rows, summary = compare(tmp_path, saved[1], loaded)
+    result, rows, summary = compare(tmp_path, saved[1], loaded, "--filter", UP_TO_SWAP)
     assert result.exit_code == 1, result.output
     assert summary["first_divergence"].startswith(f"activation decoder.layers.{SWAPPED[0]}."), summary
     before = [r for r in rows if r["name"].startswith(tuple(f"decoder.layers.{i}." for i in range(SWAPPED[0])))]

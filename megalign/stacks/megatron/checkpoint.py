@@ -71,20 +71,22 @@ def save_checkpoint(model: GPTModel, folder: Path, spec: RunSpec) -> None:
 
 
 def _check_tensors(model: GPTModel, folder: Path, model_config: ModelConfig, stored: dict) -> None:
-    """This rank's tensors against the checkpoint's index: present, of the same global shape (the vocabulary's
-    rows may differ by padding, which megatron-core fills), and no model tensor in it that this model lacks."""
+    """This rank's tensors against the checkpoint's index: of the same global shape (the vocabulary's rows may
+    differ by padding, which megatron-core fills), present, and no model tensor in it that this model lacks."""
     name, vocab_size = model_config.name, model_config.vocab_size
     sharded = model.sharded_state_dict()
     apply_factories(sharded)
     wanted = {t.key: t for t in nested_values(sharded) if isinstance(t, ShardedTensor)}
-    missing = sorted(set(wanted) - set(stored))
-    if missing:
-        raise UserError(f"--load {folder}: {len(missing)} tensor(s) of model {name!r} missing, e.g. {missing[0]}")
     for key, tensor in wanted.items():
+        if key not in stored:
+            continue
         have, want = tuple(stored[key].global_shape), tuple(tensor.global_shape)
         if have != want and not (tensor.allow_shape_mismatch and _vocab_padding(have, want, vocab_size)):
             raise UserError(f"--load {folder}: {key} is {list(have)} in the checkpoint and {list(want)} in model "
                             f"{name!r}: another model's checkpoint")
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        raise UserError(f"--load {folder}: {len(missing)} tensor(s) of model {name!r} missing, e.g. {missing[0]}")
     everyone: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, sorted(wanted))  # a stage builds only its part of the model
     alien = sorted(set(k for k in stored if k.split(".")[0] in _MODEL_ROOTS) - set().union(*everyone))
