@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import error_line, invoke
 from planted import swap_layers
-from smollm2 import compare, run, smollm2  # noqa: F401 (run, smollm2: fixtures)
+from smollm2 import compare, smollm2  # noqa: F401 (smollm2: a fixture)
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 SWAPPED = (3, 5)
@@ -26,22 +26,22 @@ UP_TO_SWAP = r"^embedding(\.|$)|^decoder\.layers\.[0-5](\.|$)|^logits$|^loss$"
 
 
 @pytest.fixture(scope="module")
-def saved(run, tmp_path_factory):
+def saved(dump, smollm2, tmp_path_factory):
     """(the checkpoint, the dump of the run that saved it): SmolLM2 from its HF folder at TP=3, --save."""
     folder = tmp_path_factory.mktemp("checkpoint") / "smollm2-tp3"
-    return folder, run("forward", "--tp", "3", "--save", str(folder))
+    return folder, dump("forward", "--hf", smollm2["real"], "--tp", "3", "--save", folder, *short(smollm2))
 
 
-def short_run(smollm2, *args):
-    """The options every loaded run shares with `run`: SmolLM2's tokens, 36 positions."""
-    return ("forward", "--tokens", str(smollm2["real"] / "tokens.json"), "--seq-len", "36", *args)
+def short(smollm2) -> tuple:
+    """SmolLM2's English tokens, 36 positions: as tests/stacks/smollm2.py's `run`."""
+    return "--tokens", smollm2["real"] / "tokens.json", "--seq-len", "36"
 
 
 def test_saved_at_tp3_and_loaded_at_cp2_pp2_every_tensor_agrees(saved, dump, smollm2, tmp_path):
     folder, from_hf = saved
     written = json.loads((folder / "megalign.json").read_text())
     assert written["model"]["num_layers"] == 30 and written["saved_from"]["layout"] == "tp=3 pp=1 cp=1"
-    loaded = dump(*short_run(smollm2, "--load", folder, "--cp", "2", "--pp", "2"))  # no --config: megalign.json
+    loaded = dump("forward", "--load", folder, "--cp", "2", "--pp", "2", *short(smollm2))  # no --config: megalign.json
     result, rows, summary = compare(tmp_path, from_hf, loaded)
     assert result.exit_code == 0, result.output
     assert summary["compared"] > 300 and all(r["status"] == "pass" for r in rows if r["metrics"])
@@ -53,8 +53,8 @@ def test_a_checkpoint_with_two_layers_swapped_is_caught_at_the_first(saved, dump
     root = tmp_path_factory.mktemp("swapped")
     converted = swap_layers(smollm2["real"], root / "hf", *SWAPPED)
     folder = root / "checkpoint"
-    dump(*short_run(smollm2, "--hf", converted, "--save", folder, "--filter", "^loss$"))
-    loaded = dump(*short_run(smollm2, "--load", folder, "--pp", "2", "--filter", UP_TO_SWAP))
+    dump("forward", "--hf", converted, "--save", folder, "--filter", "^loss$", *short(smollm2))
+    loaded = dump("forward", "--load", folder, "--pp", "2", "--filter", UP_TO_SWAP, *short(smollm2))
     result, rows, summary = compare(tmp_path, saved[1], loaded, "--filter", UP_TO_SWAP)
     assert result.exit_code == 1, result.output
     assert summary["first_divergence"].startswith(f"activation decoder.layers.{SWAPPED[0]}."), summary
@@ -90,11 +90,10 @@ def test_a_wrong_config_for_a_checkpoint_is_exit_2(saved, tmp_path):
 def test_an_index_that_pickles_code_is_refused_unrun(saved, tmp_path):
     """torch DCP's .metadata is a pickle: one that calls a function is refused before it can run."""
     planted = without_model_file(saved[0], tmp_path / "planted")
-    (planted / "megalign.json").symlink_to(saved[0] / "megalign.json")
     (planted / ".metadata").unlink()
     ran = tmp_path / "ran"
     (planted / ".metadata").write_bytes(pickle.dumps(_Payload(str(ran))))
-    result = invoke("forward", "--load", planted, "--out", tmp_path / "d")
+    result = invoke("forward", "--load", planted, "--config", TINY, "--out", tmp_path / "d")  # the index is read first
     assert result.exit_code == 2, result.output
     assert f"its .metadata holds {os.system.__module__}.system, which megalign does not unpickle" in error_line(result)
     assert not ran.exists() and not (tmp_path / "d").exists()
