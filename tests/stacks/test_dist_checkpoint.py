@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,34 @@ def test_load_of_a_folder_that_is_no_checkpoint_is_exit_2(saved, smollm2, tmp_pa
     result = invoke("forward", "--load", folder, "--out", tmp_path / "out")
     assert result.exit_code == 2
     assert f"--load {folder} is not a Megatron distributed checkpoint" in error_line(result)
+
+
+def megatron_lm_folder(root: Path, tracker: str, backend: str = "torch_dist") -> Path:
+    """Megatron-LM's layout: the checkpoint in iter_0000100, named by latest_checkpointed_iteration.txt."""
+    iteration = root / "iter_0000100"
+    iteration.mkdir(parents=True)
+    (iteration / "metadata.json").write_text(json.dumps({"sharded_backend": backend, "sharded_backend_version": 1}))
+    (iteration / ".metadata").write_bytes(b"")
+    (root / "latest_checkpointed_iteration.txt").write_text(tracker)
+    return root
+
+
+@pytest.mark.parametrize("tracker, backend, expected", [
+    ("100\n", "torch_dist", "iter_0000100"),
+    ("last", "torch_dist", "expected an iteration number or 'release'"),
+    ("100", "zarr", "a 'zarr' checkpoint; megatron-core reads torch_dist only"),
+    ("7", "torch_dist", "is not a Megatron distributed checkpoint"),
+])
+def test_load_takes_megatron_lm_s_folder_to_its_latest_iteration(tmp_path, tracker, backend, expected):
+    from megalign.errors import UserError
+    from megalign.stacks.dist_checkpoint import checkpoint_folder
+
+    root = megatron_lm_folder(tmp_path / "run", tracker, backend)
+    if expected.startswith("iter_"):
+        assert checkpoint_folder(root) == root / expected
+        return
+    with pytest.raises(UserError, match=re.escape(expected)):
+        checkpoint_folder(root)
 
 
 def test_save_onto_a_users_folder_is_exit_2_and_touches_nothing(tmp_path):
