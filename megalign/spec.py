@@ -17,6 +17,7 @@ from typing import Literal, Optional
 
 import yaml
 
+from megalign.dump.layout import Layout  # noqa: F401 (the run's layout: RunSpec.layout; re-exported)
 from megalign.errors import UserError, read_user_text
 from megalign.options import (Attention, Batch, Dtype, GradSource, Launch, LossNorm, Mode, MoeDispatcher, Numerics,
                               Output, PackedSplit, Parallelism)
@@ -177,96 +178,6 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """How the world is split: world = tp * pp * cp * dp. `sp`: sequence parallelism over the TP ranks."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    dp: int = 1
-    sp: bool = False
-    ep: int = 1  # expert parallelism: the experts split over EP groups carved out of the TP x CP x DP ranks
-    etp: Optional[int] = None  # expert tensor parallelism; None: the same as tp (megatron's default)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def packing_multiple(self) -> int:
-        """Each packed document is padded to a multiple of this: 2*cp for CP's zigzag, times tp under SP."""
-        return (2 * self.cp if self.cp > 1 else 1) * (self.tp if self.sp else 1)
-
-    def describe(self) -> str:
-        """`tp=2 pp=1 cp=2`, with dp and sp where they are used."""
-        return f"tp={self.tp} pp={self.pp} cp={self.cp}" + (f" dp={self.dp}" if self.dp > 1 else "") + \
-            (" sp" if self.sp else "") + (f" ep={self.ep}" if self.ep > 1 else "") + \
-            (f" etp={self.etp}" if self.etp not in (None, self.tp) else "")
-
-    @property
-    def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    def expert_dp(self) -> int:
-        """The smallest --dp that gives EP x ETP enough ranks: they are carved out of TP x CP x DP."""
-        need = self.ep * self.expert_tp
-        return max(1, need // math.gcd(need, self.tp * self.cp))
-
-    def check_sizes(self) -> None:
-        """Every size at least 1: the others are divided by them (expert_dp, the CP split)."""
-        for name, size in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("dp", self.dp), ("ep", self.ep),
-                           ("etp", self.expert_tp)):
-            if size < 1:
-                raise UserError(f"--{name} must be at least 1, got {size}")
-
-    def _check_experts(self, model: ModelConfig) -> None:
-        if model.is_moe and self.tp > 1 and not self.sp:
-            raise UserError("an MoE model with --tp > 1 needs --sp (megatron-core refuses MoE with tensor "
-                            "parallelism and without sequence parallelism in training)")
-        if (self.ep, self.expert_tp) == (1, self.tp):
-            return
-        if not model.is_moe:
-            raise UserError(f"--ep/--etp split experts, and the model {model.name!r} has none (set num_moe_experts)")
-        if model.num_moe_experts % self.ep:
-            raise UserError(f"--ep {self.ep} does not divide num_moe_experts={model.num_moe_experts}")
-        if self.expert_tp not in (1, self.tp):
-            raise UserError(f"--etp {self.expert_tp}: megalign runs expert tensor parallelism of 1 or --tp ({self.tp})")
-        if (self.tp * self.cp * self.dp) % (self.ep * self.expert_tp):
-            raise UserError(f"--ep {self.ep} x --etp {self.expert_tp} ranks must divide tp*cp*dp="
-                            f"{self.tp * self.cp * self.dp} (experts are split over those ranks); "
-                            f"pass --dp {self.expert_dp()}")
-
-    def check_sequences(self, sequences: int) -> None:
-        if self.dp < 1:
-            raise UserError(f"--dp must be at least 1, got {self.dp}")
-        if sequences % self.dp:
-            raise UserError(f"--dp {self.dp} does not divide the {sequences} sequences (each DP rank takes an equal "
-                            "share of them)")
-
-    def check(self, model: ModelConfig, seq_len: int, sequences: int) -> None:
-        """Raise UserError for a layout the model or the batch cannot be split into."""
-        self.check_sizes()
-        if self.sp and self.tp == 1:
-            raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
-        self._check_experts(model)
-        self.check_sequences(sequences)
-        if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
-            raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
-                            f"and num_query_groups={model.num_query_groups}")
-        if model.ffn_hidden_size % self.tp:
-            raise UserError(f"--tp {self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
-        if model.num_layers % self.pp:
-            raise UserError(f"--pp {self.pp} does not divide num_layers={model.num_layers}")
-        if self.cp > 1 and seq_len % (2 * self.cp):
-            raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * self.cp} "
-                            f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * self.cp}")
-        if self.sp and seq_len % (self.cp * self.tp):
-            raise UserError(f"sequence length {seq_len} is not divisible by cp*tp={self.cp * self.tp} (sequence "
-                            f"parallelism splits each CP rank's tokens over the TP ranks); pass --seq-len")
-        if seq_len > model.max_position_embeddings:
-            raise UserError(f"sequence length {seq_len} exceeds max_position_embeddings="
-                            f"{model.max_position_embeddings}")
 
 
 @dataclass(frozen=True)

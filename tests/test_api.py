@@ -85,6 +85,12 @@ def test_shards_of_a_cp2_tensor(dump):
     assert torch.equal(pieces[0], torch.cat([whole[:seq // 4], whole[-seq // 4:]]))
 
 
+def test_a_dumps_layout_is_typed_and_prints_as_compare_prints_it(dump):
+    cp2 = megalign.open(dump("backward", "--cp", "2"))
+    assert (cp2.layout.tp, cp2.layout.cp, cp2.layout.dp, cp2.layout.sp) == (1, 2, 1, False)
+    assert cp2.layout.describe() == "tp=1 pp=1 cp=2" and cp2.layout.describe() in cp2.description
+
+
 def test_unknown_names_and_stats_only(dump, tmp_path):
     cp1 = megalign.open(dump("backward"))
     with pytest.raises(KeyError, match="close names: decoder.layers.0.mlp"):
@@ -177,3 +183,15 @@ def test_a_dumper_dump_is_judged_at_its_widest_float_dtype(tmp_path):
     result = invoke("compare", tmp_path / "a", tmp_path / "b")
     assert result.exit_code == 1, result.output
     assert invoke("compare", tmp_path / "a", tmp_path / "a").exit_code == 0
+
+
+def test_a_dump_json_that_cannot_be_written_leaves_nothing(tmp_path):
+    """Rank 0's last write fails (here a folder sits where dump.json goes): no dump, and no staging
+    folder left behind either."""
+    out = tmp_path / "out"
+    dumper = megalign.Dumper(out)
+    dumper.add("loss", "loss", torch.tensor(1.0))
+    (tmp_path / "out.partial" / "dump.json" / "in-the-way").mkdir(parents=True)
+    with pytest.raises(OSError):
+        dumper.close()
+    assert list(tmp_path.iterdir()) == []

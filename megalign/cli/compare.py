@@ -11,6 +11,7 @@ from typing import Annotated, Literal, Optional
 import typer
 from rich.markup import escape
 
+from megalign.compare.explain import explain
 from megalign.compare.metrics import TensorMetrics
 from megalign.compare.outputs import check_outputs, write_replacing
 from megalign.compare.sources import open_source
@@ -81,7 +82,8 @@ class Judging:
 def compare(
     a: Path = typer.Argument(..., metavar="A", show_default=False,
                              help="First dump: a megalign dump, an sglang dumper folder, or .safetensors/.pt tensors."),
-    b: Path = typer.Argument(..., metavar="B", show_default=False, help="Second dump, of any of the same kinds."),
+    b: Optional[Path] = typer.Argument(None, metavar="B", show_default=False,
+                                       help="Second dump, of any of the same kinds (only --explain may leave it out)."),
     filter: Filter = None,
     threshold: Threshold = None,
     tolerance: Tolerance = [],
@@ -99,10 +101,21 @@ def compare(
     workers: Workers = None,
     fmt: Format = "auto",
     no_color: NoColor = False,
+    explain: Optional[str] = typer.Option(
+        None, "--explain", metavar="NAME",
+        help="Compare nothing: print how the tensor NAME is put back together in each input (A, B if given, R), "
+             "rank by rank: which piece of the whole each rank holds, where it goes along which dim, which ranks "
+             "hold replicas (and whether they are read, by hash); exit 0. A NAME no input holds is exit 2, with "
+             "the nearest names. Default: none."),
 ) -> None:
     """Compare two dumps tensor by tensor; exit 0 when all agree within threshold, 1 when any diverges or is missing
-    on one side, 2 for bad input."""
+    on one side, 2 for bad input. With --explain NAME, print how NAME is reassembled in each input instead."""
     use_color(no_color)
+    inputs = [(side, path) for side, path in (("A", a), ("B", b), ("R", reference)) if path is not None]
+    if explain is not None:
+        raise typer.Exit(run_explain(inputs, explain))
+    if b is None:
+        fail("compare needs two inputs, A and B (only --explain NAME reads one)", 2)
     judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
                       allow_missing=allow_missing, strict_nonfinite=strict_nonfinite, json_out=json_out, plot=plot,
                       workers=workers, fmt=fmt)
@@ -147,6 +160,19 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
 
         _write_report(judging.plot, lambda tmp: plot_divergence(report, tmp))
     return 0 if report.summary.ok else 1
+
+
+def run_explain(inputs: list[tuple[str, Path]], name: str) -> int:
+    """Print the plan of tensor `name` in every input; 0, or 2 after a one-line error."""
+    try:
+        lines = explain([(side, path, open_source(path)) for side, path in inputs], name)
+    except UserError as e:
+        fail(str(e), e.exit_code)
+    with reader_may_leave():
+        for line in lines:
+            console.print(escape(line), highlight=False, soft_wrap=True)
+        sys.stdout.flush()
+    return 0
 
 
 def _write_report(path: Path, write) -> None:

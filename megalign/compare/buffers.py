@@ -14,7 +14,34 @@ from typing import Iterator, Optional
 
 import torch
 
+from megalign.errors import UserError
+
 SMALLEST = 4 << 20  # smaller tensors are left to malloc, which keeps and reuses such blocks itself
+
+
+class TooLarge(UserError, MemoryError):
+    """More bytes at once than the machine has: a one-line error (exit 2) instead of an allocation
+    that fails with a traceback, or succeeds on overcommit and is OOM-killed when touched."""
+
+
+def available_memory() -> Optional[int]:
+    """MemAvailable of /proc/meminfo: what can be allocated without pushing others out; None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """TooLarge when `what` needs more than the memory available now."""
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise TooLarge(f"{what} needs {nbytes / 2**30:.1f} GiB of memory at once, more than the "
+                       f"{available / 2**30:.1f} GiB available")
 
 
 class BufferPool:

@@ -18,9 +18,10 @@ from megalign.dump.format import Kind
 from megalign.dump.layout import BatchRow
 from megalign.dump.stats import TensorStats
 
-# Execution order: forward tensors (every other kind, and foreign ones: phase 0), then activation
-# gradients (in backward order), then the parameter gradients that the optimizer step would see.
-PHASES = {Kind.ACTIVATION_GRAD: 1, Kind.PARAM_GRAD: 2}
+# Execution order: the parameters the forward uses, forward tensors (every other kind, and foreign
+# ones: phase 0), then activation gradients (in backward order), then the parameter gradients that
+# the optimizer step would see.
+PHASES = {Kind.PARAM: -1, Kind.ACTIVATION_GRAD: 1, Kind.PARAM_GRAD: 2}
 
 
 @dataclass
@@ -71,8 +72,8 @@ class Entry:
     # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
     # in a caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
-    # megalign dumps: the rank records it is put together from (reassemble.Shard), for the Python API's
-    # Dump.shards(); typed loosely so that this module and reassemble.py need not import each other.
+    # megalign dumps: the rank records it is put together from (plan.Shard), for the Python API's
+    # Dump.shards() and --explain; typed loosely so that this module and plan.py need not import each other.
     shards: Optional[list] = None
 
 

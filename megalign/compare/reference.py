@@ -27,11 +27,11 @@ from megalign.errors import UserError
 # logits, logprobs and the loss within 1e-11 of R, parameter gradients 4e-7 (transformers; megatron-core's
 # 3e-10); bf16: activations 1.7e-3, logits 2e-4, parameter gradients 0.04.
 BUDGET: dict[str, dict[str, float]] = {
-    "fp64": {"input": 0.0, "activation": 1e-16, "activation_grad": 1e-16, "param_grad": 1e-16, "logits": 1e-16,
+    "fp64": {"input": 0.0, "activation": 1e-16, "activation_grad": 1e-16, "param_grad": 1e-16, "param": 1e-16, "logits": 1e-16,
              "logprobs": 1e-16, "loss": 1e-16},  # thresholds.py: fp64 runs on other devices differ by 3e-19
-    "fp32": {"input": 0.0, "activation": 1e-9, "activation_grad": 1e-7, "param_grad": 1e-5, "logits": 1e-9,
+    "fp32": {"input": 0.0, "activation": 1e-9, "activation_grad": 1e-7, "param_grad": 1e-5, "param": 1e-5, "logits": 1e-9,
              "logprobs": 1e-9, "loss": 1e-9},
-    "bf16": {"input": 0.0, "activation": 1e-2, "activation_grad": 2e-2, "param_grad": 1e-1, "logits": 2e-3,
+    "bf16": {"input": 0.0, "activation": 1e-2, "activation_grad": 2e-2, "param_grad": 1e-1, "param": 1e-1, "logits": 2e-3,
              "logprobs": 2e-3, "loss": 1e-5},
 }
 # Model config entries a reference may differ in: the name, and the constants a checkpoint's config.json

@@ -47,7 +47,8 @@ ONE_SIGNED = 0.5  # |mean| / rms from which a tensor's sum is compared
 WHOLE_KINDS = ("param_grad", "activation_grad")
 WHOLE_LEAST = 8
 WHOLE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.025}
-_STEP = re.compile(r"@\d+$")  # a later step's repeat of a name (sources/megalign.py)
+# a step's name (step1/...) or a later step's repeat of a name (sources/megalign.py)
+_STEP = re.compile(r"^step\d+/|@\d+$")
 
 
 @dataclass
@@ -84,14 +85,19 @@ def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetri
 class KindScale:
     """A kind's tensors of one step, rescaled as a whole: their median norm ratio B/A."""
     kind: str
-    step: str  # "" for the first step, "@k" for a later one
+    step: str  # "" for the first step, "@k" for a later one, " stepN" in a dump that names its steps
     median_ratio: float
     tensors: int
     tolerance: float
 
     def note(self) -> str:
+        """The summary's line."""
         return (f"{self.kind}{self.step} rescaled as a whole: median norm ratio B/A {self.median_ratio:.6g} "
                 f"over {self.tensors} tensors, tolerance ±{self.tolerance:.2g}")
+
+    def row_note(self) -> str:
+        """Each of its rows' note: short, as a note under an 80-column table is one line."""
+        return f"rescaled as a whole: median norm ratio B/A {self.median_ratio:.4g}"
 
 
 def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[KindScale, list[int]]]:
@@ -101,7 +107,8 @@ def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[Kin
     for key, kind, name, scale in judged:
         if kind in WHOLE_KINDS and 0 < scale.norm_ratio < math.inf:
             step = _STEP.search(name)
-            group = groups.setdefault((kind, step.group() if step else "", scale.precision), {})
+            label = "" if not step else step.group() if step.group().startswith("@") else f" {step.group()[:-1]}"
+            group = groups.setdefault((kind, label, scale.precision), {})
             group[key] = scale.norm_ratio
     off = []
     for (kind, step, precision), found in groups.items():

@@ -18,29 +18,26 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megalign.dump.format import precision_name
 from megalign.errors import UserError, compile_pattern
 
 DEFAULTS: dict[str, dict[str, float]] = {
-    "fp32": {"input": 0.0, "activation": 1e-8, "activation_grad": 1e-7, "param_grad": 1e-5,
+    "fp32": {"input": 0.0, "activation": 1e-8, "activation_grad": 1e-7, "param_grad": 1e-5, "param": 1e-5,
              "logits": 1e-8, "logprobs": 1e-8, "loss": 1e-9},
-    "bf16": {"input": 0.0, "activation": 1e-2, "activation_grad": 2e-2, "param_grad": 1e-1,
+    "bf16": {"input": 0.0, "activation": 1e-2, "activation_grad": 2e-2, "param_grad": 1e-1, "param": 1e-1,
              "logits": 2e-3, "logprobs": 2e-3, "loss": 1e-5},
     # Both sides float64 (reference runs against each other): 1e-29 on one device, but up to 3e-19
     # between CUDA and the CPU, since megatron computes RoPE's cos and sin in float32 (measured on an H200).
-    "fp64": {"input": 0.0, "activation": 1e-16, "activation_grad": 1e-16, "param_grad": 1e-16,
+    "fp64": {"input": 0.0, "activation": 1e-16, "activation_grad": 1e-16, "param_grad": 1e-16, "param": 1e-16,
              "logits": 1e-16, "logprobs": 1e-16, "loss": 1e-16},
 }
-LOW_PRECISION = ("bf16", "fp16", "bfloat16", "float16")
-DOUBLE = ("fp64", "float64")
-
-
 def precision_of(*dtypes: Optional[str]) -> str:
     """'bf16' when any side ran in 16-bit floats (the looser defaults), 'fp64' when all are float64,
     else 'fp32'."""
-    known = [d for d in dtypes if d]
-    if any(d in LOW_PRECISION for d in known):
+    known = [precision_name(d) for d in dtypes if d]
+    if any(p in ("fp16", "bf16") for p in known):
         return "bf16"
-    return "fp64" if known and all(d in DOUBLE for d in known) else "fp32"
+    return "fp64" if known and all(p == "fp64" for p in known) else "fp32"
 
 
 def run_precision(run: Optional[str], stored: str) -> str:
@@ -91,4 +88,4 @@ class Thresholds:
         if self.override is not None:
             return self.override
         defaults = DEFAULTS[precision]
-        return defaults.get(kind, defaults["activation"])  # kinds of foreign dumps (e.g. 'param')
+        return defaults.get(kind, defaults["activation"])  # kinds of foreign dumps

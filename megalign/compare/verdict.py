@@ -19,7 +19,7 @@ from typing import Optional, Union
 import torch
 
 from megalign.compare import absent
-from megalign.compare.buffers import BufferPool
+from megalign.compare.buffers import BufferPool, check_fits
 from megalign.compare.entries import Entry, Source, Value
 from megalign.compare.fused import Sums
 from megalign.compare.lineup import line_up
@@ -29,6 +29,7 @@ from megalign.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetri
 from megalign.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.compare.scale import KindScale, Scale, check_kinds, check_scale
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
+from megalign.dump.format import PRECISIONS
 from megalign.dump.stats import TensorStats
 from megalign.errors import UserError, compile_pattern
 
@@ -174,7 +175,7 @@ def _judge_kinds(rows: list[Row]) -> list[KindScale]:
     for whole, indices in off:
         for row in (rows[index] for index in indices):
             if not row.scale.off:  # a row off on its own says so already
-                row.notes.append(whole.note())
+                row.notes.append(whole.row_note())
             row.status = FAIL
     return [whole for whole, _ in off]
 
@@ -248,6 +249,7 @@ class _Comparison:
             row.status, row.shape_a, row.shape_b = APART, pair.a.shape, pair.b.shape
             row.notes.append(apart)
             return row
+        check_fits(self._lease_bytes(pair), f"comparing {pair.kind} {pair.name}")
         window = self._window(pair)
         if window:
             return self._streamed(row, pair, window)
@@ -384,14 +386,11 @@ def _judge_replicas(row: Row, x: Value, y: Value, threshold: float) -> bool:
     return disagree
 
 
-_NARROWER = {"bf16": 0, "fp32": 1, "fp64": 2}
-
-
 def _stored_apart(run: Optional[str], stored: str) -> bool:
     """A floating tensor stored narrower than its run computes (bf16 in an fp32 run): worth a note. Wider
     is the rule in bf16 runs (float32 main gradients, loss and logprobs), so it goes unsaid."""
     floating = isinstance(getattr(torch, stored, None), torch.dtype) and getattr(torch, stored).is_floating_point
-    return bool(run) and floating and _NARROWER[precision_of(stored)] < _NARROWER[precision_of(run)]
+    return bool(run) and floating and PRECISIONS.index(precision_of(stored)) < PRECISIONS.index(precision_of(run))
 
 
 def _one_side(row: Row, pair: _Pair) -> Row:

@@ -16,30 +16,36 @@ and lands the folder itself (it outlives a killed worker): its workers pass `cla
 Ranks: one process is rank 0 of 1. Under torchrun the rank is torch.distributed's; the layout is
 megatron-core's parallel_state where it is initialised, otherwise every rank is a DP rank.
 
-The format has no step field: `step(n)` collects the parameter gradients when its block ends, and
-dump.json lists the steps. A second step's tensors repeat the first's names; compare (and
-megalign.open) name the repeats `name@1`, `name@2`, ...
+Steps: `step(n)` collects the parameter gradients (and, with `params=True`, the parameters) when its
+block ends; dump.json lists the steps written, and each rank's manifest marks where each step's
+records begin ("steps": [[n, first record], ...]). compare names a dump's tensors by step where it
+holds several (`step1/name`); `steps=` picks the steps written (dump/steps.py).
+
+In a user's trainer, `Dumper.from_env()` is the one line: MEGALIGN_DUMP=DIR turns dumping on,
+MEGALIGN_DUMP_STEPS picks the steps; unset, a NullDumper that installs nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megalign.dump.coverage import has_gradient, read_grad
-from megalign.dump.format import DUMP_META, KINDS, RankCoords, TensorRecord, layer_of, write_json_atomic
+from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
+from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
+                                  write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
 from megalign.dump.meta import dump_meta
 from megalign.dump.sharding import Sharding
+from megalign.dump.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter
 from megalign.errors import UserError
-
-_PRECISIONS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
 class Dumper:
@@ -53,11 +59,19 @@ class Dumper:
     `stats_only`: per-tensor statistics instead of values. `name_filter`: a regex; only tensors whose
     name it finds are written (inputs always). `claim=False`: `out` is a folder a launcher has
     claimed and will land (megalign's runs): every rank writes into it as it is, and rank 0 adds
-    dump.json at close.
+    dump.json at close. `steps`: which steps are written ("all", a list of ints, "1,2", "every:K");
+    other than "all", nothing is written outside a chosen step's block. `params`: each step's end
+    also dumps the watched parameters (kind param), so that an optimizer bug shows at the next step.
     """
 
+    enabled = True
+
     def __init__(self, out, *, overwrite: bool = False, stats_only: bool = False,
-                 name_filter: Optional[str] = None, claim: bool = True):
+                 name_filter: Optional[str] = None, claim: bool = True, steps: Steps = "all",
+                 params: bool = False):
+        self._choice = choose_steps(steps)
+        self._params = params
+        self._writing = self._choice.all  # outside a step block: only when every step is wanted
         self.out = Path(out)
         self.coords, self.layout = _place()
         self._world = self.layout["tp"] * self.layout["pp"] * self.layout["cp"] * self.layout["dp"]
@@ -71,9 +85,24 @@ class Dumper:
         self._folder = staging_dir(self.out) if claim else self.out  # where the ranks write
         self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only, name_filter=name_filter)
         self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
+        self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks: list = []
         self._steps: list[int] = []
+        self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
         self._closed = False
+
+    @classmethod
+    def from_env(cls, **options) -> Union["Dumper", "NullDumper"]:
+        """The one line for a trainer: a Dumper writing to $MEGALIGN_DUMP, its steps from
+        $MEGALIGN_DUMP_STEPS where set (else `options`' steps), or, with MEGALIGN_DUMP unset or
+        empty, a NullDumper whose methods do nothing. `options`: the Dumper's keyword arguments."""
+        out = os.environ.get("MEGALIGN_DUMP")
+        if not out:
+            return NullDumper()
+        steps = os.environ.get("MEGALIGN_DUMP_STEPS")
+        if steps:
+            options["steps"] = choose_steps(steps, "MEGALIGN_DUMP_STEPS")
+        return cls(out, **options)
 
     @property
     def records(self) -> list[TensorRecord]:
@@ -96,6 +125,8 @@ class Dumper:
         `sp`); None: every rank holds the whole tensor, a replica. `module`: the module that made it,
         if any. `stable`: the tensor will not change before close() (a parameter gradient after the
         step), so it is written from where it is, not copied."""
+        if not self._writing:
+            return
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         if not isinstance(tensor, torch.Tensor):
@@ -103,13 +134,21 @@ class Dumper:
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable)
 
-    def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0) -> None:
+    def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0,
+              outputs: bool = True) -> None:
         """Dump the output of every submodule of `module` (kind activation, named by its path, with
         `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
         when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
         gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
-        rank computes the same outputs). Under megatron-core's TP or CP: NotImplementedError."""
-        if self.layout["tp"] > 1 or self.layout["cp"] > 1:
+        rank computes the same outputs). `outputs=False`: the parameters' gradients (and values)
+        only. A megatron-core DDP (or the model it wraps) is read where DDP leaves the gradients.
+        Outputs under megatron-core's TP or CP: NotImplementedError."""
+        if is_megatron_ddp(module):
+            self._ddps.append(module)
+            module = module.module  # names as the model's own, without DDP's `module.`
+        else:
+            self._ddps.extend(filter(None, [find_megatron_ddp(module)]))
+        if outputs and (self.layout["tp"] > 1 or self.layout["cp"] > 1):
             # Outputs split over TP or CP ranks need megatron-core's inference: megalign's worker has it
             # (stacks/megatron/capture.py, which add()s each output with its Sharding), but dump/ does not
             # import stacks/. Labelled as replicas they would be put back together wrong.
@@ -121,20 +160,44 @@ class Dumper:
 
         for path, param in module.named_parameters():
             self._watched.setdefault(named(path), param)
+        if not outputs:
+            return
         for path, sub in module.named_modules():
             if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), batch_dim)))
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
-        """A training step: when the block ends, the watched modules' parameter gradients are dumped
-        (`.grad`, or megatron DDP's `main_grad` where `.grad` is None), and dump.json records `n`."""
-        yield
+        """A training step, written if `steps` chose it: when the block ends, the watched modules'
+        parameter gradients are dumped (`.grad`, or megatron DDP's `main_grad`, gathered from every
+        rank's shard under the distributed optimizer), with `params=True` the parameters too, and
+        dump.json records `n`. End the block after the gradients are final (megatron-core:
+        after finalize_model_grads) and before the optimizer step."""
+        outside = self._writing
+        self._writing = self._choice.wants(n)
+        if self._writing:
+            self._marks.append([n, len(self.records)])
+        try:
+            yield
+            if self._writing:
+                self._dump_parameters()
+                self._steps.append(n)
+        finally:
+            self._writing = outside
+
+    def _dump_parameters(self) -> None:
+        names = {id(param): name for name, param in self._watched.items()}
+        grads = {}
+        for ddp in self._ddps:
+            if sharded(ddp):  # a collective: every rank gathers every bucket, watched or not
+                grads.update((names[id(p)], g) for p, g in gathered_grads(ddp) if id(p) in names)
         for name, param in self._watched.items():
-            grad = read_grad(param)
+            module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
+            grad = grads[name] if name in grads else read_grad(param)
             if has_gradient(grad):
-                self.add("param_grad", name, grad, module=name.rpartition(".")[0] or None)
-        self._steps.append(n)
+                self.add("param_grad", name, grad, sharding, module=module)
+            if self._params:
+                self.add("param", name, param.detach(), sharding, module=module)
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
@@ -144,22 +207,26 @@ class Dumper:
             return
         self._closed = True
         self._unhook()
-        self._writer.close(manifest)
+        self._writer.close({**(manifest or {}), "steps": self._marks} if self._marks else manifest)
         if self._world > 1:
             dist.barrier()  # every manifest is on disk before dump.json says the dump is complete
 
         def land() -> None:
-            write_json_atomic(self._folder / DUMP_META, (meta or self._meta)())
+            try:
+                write_json_atomic(self._folder / DUMP_META, (meta or self._meta)())
+            except BaseException as error:  # no dump.json, no dump: the staging folder goes too
+                self._landing.__exit__(type(error), error, error.__traceback__)
+                raise
             self._landing.close()
 
         self._on_rank_zero(land)
 
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
-        floats = [_PRECISIONS[r.dtype] for r in self.records if r.dtype in _PRECISIONS]
+        floats = [precision_name(r.dtype) for r in self.records if precision_name(r.dtype)]
         # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
         # must not loosen every tensor to bf16 (a 10% error passed).
-        dtype = next((p for p in ("fp64", "fp32", "bf16", "fp16") if p in floats), "fp32")
+        dtype = max(floats, key=PRECISIONS.index, default="fp32")
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                          self.layout, self._world, {"dtype": dtype, "stats_only": self._writer.stats_only,
                                                     "steps": self._steps})
@@ -185,6 +252,8 @@ class Dumper:
 
     def _output_hook(self, name: str, batch_dim: Optional[int]) -> Callable:
         def record(module, inputs, output):
+            if not self._writing:
+                return
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for index, tensor in enumerate(outputs):
                 if isinstance(tensor, torch.Tensor):
@@ -223,6 +292,48 @@ class Dumper:
                 raise UserError(f"rank 0: {message[0]}")
         if failure is not None:
             raise failure
+
+
+class NullDumper:
+    """What `Dumper.from_env()` gives with MEGALIGN_DUMP unset: the Dumper's methods, doing nothing,
+    installing nothing (no hooks, no files)."""
+
+    enabled = False
+    records: list = []
+    bytes_written = 0
+    __slots__ = ()
+
+    def wants(self, kind: str, name: str) -> bool:
+        return False
+
+    def add(self, *args, **kwargs) -> None:
+        return None
+
+    def watch(self, *args, **kwargs) -> None:
+        return None
+
+    def step(self, n: int) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def close(self, *args, **kwargs) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
+
+    def __enter__(self) -> "NullDumper":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        return None
+
+
+def _param_sharding(param: torch.nn.Parameter) -> Sharding:
+    """megatron-core marks a TP-split parameter (tensor_model_parallel, partition_dim, and
+    partition_stride: SwiGLU's fused gate|up is 2); any other parameter is a replica."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return Sharding()
+    return Sharding(tp_dim=param.partition_dim, tp_parts=getattr(param, "partition_stride", 1))
 
 
 def _place() -> tuple[RankCoords, dict]:

@@ -43,6 +43,7 @@ class Kind(StrEnum):
     LOGPROBS = "logprobs"
     LOSS = "loss"
     ROUTING = "routing"
+    PARAM = "param"  # a parameter's value, at the end of a Dumper step (before the optimizer step)
 
 
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
@@ -81,7 +82,7 @@ class TensorRecord:
     file: Optional[str] = None  # None for stats-only records
     key: Optional[str] = None
     stats: Optional[TensorStats] = None
-    # xxh3_128 of the tensor's bytes, hex: replicas with equal hashes are read once (compare/reassemble.py)
+    # xxh3_128 of the tensor's bytes, hex: replicas with equal hashes are read once (compare/plan.py)
     hash: Optional[str] = None
 
     def to_dict(self) -> dict:
@@ -94,6 +95,15 @@ class TensorRecord:
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
+
+# A run's precision as dump.json names it (thresholds are set per precision), narrowest first.
+PRECISIONS = ("fp16", "bf16", "fp32", "fp64")
+_PRECISION_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def precision_name(dtype: str) -> Optional[str]:
+    """`bfloat16` (a stored dtype) or `bf16` (a run's) -> `bf16`; None for what is not a float."""
+    return dtype if dtype in PRECISIONS else _PRECISION_OF_DTYPE.get(dtype)
 
 
 

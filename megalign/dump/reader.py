@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import torch
 
 from megalign.dump.format import DUMP_META, MANIFEST, RankCoords, TensorRecord, dtype_name, rank_dirname
-from megalign.dump.layout import BatchRow, cp_split_bounds, dp_rows
+from megalign.dump.layout import BatchRow, Layout, cp_split_bounds, dp_rows
 from megalign.dump.tensorfile import Location, TensorFiles, read_into
 from megalign.dump.validate import check_manifest, check_meta, check_rows, check_tensor_file
 from megalign.errors import UserError
@@ -29,8 +29,9 @@ class RankManifest:
 class Dump:
     """A complete megalign dump on disk, read lazily: a tensor is read when it is loaded."""
 
-    def __init__(self, path: Path, meta: dict, ranks: list[RankManifest], rows: Optional[list[BatchRow]] = None):
-        self.path, self.meta, self.ranks, self.rows = path, meta, ranks, rows
+    def __init__(self, path: Path, meta: dict, layout: Layout, ranks: list[RankManifest],
+                 rows: Optional[list[BatchRow]] = None):
+        self.path, self.meta, self.layout, self.ranks, self.rows = path, meta, layout, ranks, rows
         self.files = TensorFiles()
         self._located: dict[tuple, Location] = {}
         self._checked: dict[tuple, Path] = {}  # (rank folder, file name) -> the checked file
@@ -49,27 +50,24 @@ class Dump:
             partial = any(path.glob("rank-*"))
             raise UserError(f"{path}: incomplete dump (no {DUMP_META}; the run that wrote it did not finish)"
                             if partial else f"{path}: not a megalign dump (no {DUMP_META})")
-        meta = check_meta(_read_json(meta_path), str(meta_path))
-        rows = check_rows(meta, str(meta_path))
+        meta, layout = check_meta(_read_json(meta_path), str(meta_path))
+        rows = check_rows(meta, layout, str(meta_path))
         ranks = []
         for rank in range(meta["world_size"]):
             manifest_path = path / rank_dirname(rank) / MANIFEST
             if not manifest_path.is_file():
                 raise UserError(f"{path}: incomplete dump (rank {rank} has no {MANIFEST})")
             coords, records, extra = check_manifest(_read_json(manifest_path), str(manifest_path), rank,
-                                                    meta["layout"], manifest_path.parent)
+                                                    layout, manifest_path.parent)
             ranks.append(RankManifest(dir=manifest_path.parent, coords=coords, records=records, extra=extra))
-        return cls(path, meta, ranks, rows)
-
-    def layout(self) -> dict:
-        return self.meta["layout"]
+        return cls(path, meta, layout, ranks, rows)
 
     def cp_bounds(self, dp_rank: int) -> Optional[tuple[int, ...]]:
         """Where a DP rank's row was cut for the CP split: at its documents (packed rows split per
         document), or None (the whole row is one sequence)."""
         if self.rows is None:
             return None
-        row = self.rows[dp_rows(len(self.rows), self.layout()["dp"], dp_rank)][0]
+        row = self.rows[dp_rows(len(self.rows), self.layout.dp, dp_rank)][0]
         bounds = cp_split_bounds(row, self.meta.get("cp_split"))
         return bounds if len(bounds) > 2 else None
 

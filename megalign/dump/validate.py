@@ -13,8 +13,8 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.dump.format import FORMAT, KINDS, VERSION, RankCoords, TensorRecord
-from megalign.dump.layout import CP_SPLITS, BatchRow, cp_split_bounds
+from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord
+from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import Sharding
 from megalign.dump.stats import TensorStats
 from megalign.errors import UserError
@@ -22,7 +22,6 @@ from megalign.errors import UserError
 # The dtypes safetensors stores, by the names dtype_name() writes.
 DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8,
           "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # and their sizes in bytes
-RUN_DTYPES = ("fp32", "bf16", "fp16", "fp64")  # a run's precision in dump.json, which sets its thresholds
 LAYOUT_AXES = ("tp", "pp", "cp")  # every dump has them; dp came later, 1 when absent
 
 
@@ -52,35 +51,43 @@ def _dict(value: Any, where: str) -> dict:
     return value
 
 
-def check_meta(raw: Any, where: str) -> dict:
-    """dump.json: its format, version and layout; the rest is description."""
+def check_meta(raw: Any, where: str) -> tuple[dict, Layout]:
+    """dump.json, and its layout typed: its format, version and layout are checked; the rest is description."""
     meta = _dict(raw, where)
     if meta.get("format") != FORMAT:
         raise Malformed(f"{where}: not a megalign dump (format {meta.get('format')!r})")
     if meta.get("version") != VERSION:
         raise Malformed(f"{where}: dump format version {meta.get('version')!r} is not supported "
                         f"(this megalign reads version {VERSION})")
-    if meta.get("dtype") not in RUN_DTYPES:  # thresholds follow it: a missing one would loosen nothing safely
-        raise Malformed(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(RUN_DTYPES)}")
-    layout = _dict(meta.get("layout"), f"{where}: layout")
-    for axis in LAYOUT_AXES:
-        _int(layout.get(axis), f"{where}: layout.{axis}", low=1)
-    _int(layout.setdefault("dp", 1), f"{where}: layout.dp", low=1)
-    if not isinstance(layout.setdefault("sp", False), bool):
-        raise Malformed(f"{where}: layout.sp must be true or false")
-    world = math.prod(layout[axis] for axis in LAYOUT_AXES + ("dp",))
-    if meta.get("world_size") != world:
-        raise Malformed(f"{where}: world_size {meta.get('world_size')!r} is not the product of the layout ({world})")
-    return meta
+    if meta.get("dtype") not in PRECISIONS:  # thresholds follow it: a missing one would loosen nothing safely
+        raise Malformed(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(PRECISIONS)}")
+    layout = check_layout(meta.get("layout"), f"{where}: layout")
+    if meta.get("world_size") != layout.world_size:
+        raise Malformed(f"{where}: world_size {meta.get('world_size')!r} is not the product of the layout "
+                        f"({layout.world_size})")
+    return meta, layout
 
 
-def check_rows(meta: dict, where: str) -> Optional[list[BatchRow]]:
+def check_layout(raw: Any, where: str) -> Layout:
+    """dump.json's layout, typed: tp, pp and cp, which every dump has; dp (1 when absent: it came
+    later), sp, ep and etp. Keys it does not know are left alone."""
+    raw = _dict(raw, where)
+    sizes = {axis: _int(raw.get(axis), f"{where}.{axis}", low=1) for axis in LAYOUT_AXES}
+    sizes["dp"] = _int(raw.setdefault("dp", 1), f"{where}.dp", low=1)
+    if not isinstance(raw.setdefault("sp", False), bool):
+        raise Malformed(f"{where}.sp must be true or false")
+    etp = raw.get("etp")
+    return Layout(**sizes, sp=raw["sp"], ep=_int(raw.get("ep", 1), f"{where}.ep", low=1),
+                  etp=None if etp is None else _int(etp, f"{where}.etp", low=1))
+
+
+def check_rows(meta: dict, layout: Layout, where: str) -> Optional[list[BatchRow]]:
     """dump.json's `rows` (optional: dumps of other tools lack them): the batch's documents, which the
     CP split of a packed row follows and which line a packed run up with a padded one."""
     if meta.get("rows") is None:
         return None
     raw_rows = meta["rows"]
-    if not isinstance(raw_rows, list) or not raw_rows or len(raw_rows) % meta["layout"]["dp"]:
+    if not isinstance(raw_rows, list) or not raw_rows or len(raw_rows) % layout.dp:
         raise Malformed(f"{where}: rows must be a non-empty list, a multiple of layout.dp long")
     rows = []
     for i, raw in enumerate(raw_rows):
@@ -98,14 +105,13 @@ def check_rows(meta: dict, where: str) -> Optional[list[BatchRow]]:
     if len({row.bounds[-1] for row in rows}) != 1:
         raise Malformed(f"{where}: rows have different lengths")
     documents = sum(len(row.lengths) for row in rows)
-    if documents != meta.get("num_sequences") or len(rows) not in (documents, meta["layout"]["dp"]):
+    if documents != meta.get("num_sequences") or len(rows) not in (documents, layout.dp):
         raise Malformed(f"{where}: rows hold {documents} documents in {len(rows)} rows, for num_sequences "
                         f"{meta.get('num_sequences')!r} (one a row, or packed one row a DP rank)")
     if meta.setdefault("cp_split", "document") not in CP_SPLITS:
         raise Malformed(f"{where}: cp_split must be document or row, got {meta['cp_split']!r}")
-    cp = meta["layout"]["cp"]
-    if cp > 1 and any(size % (2 * cp) for row in rows for size in _sizes(row, meta["cp_split"])):
-        raise Malformed(f"{where}: rows: a document (or row) is not a multiple of 2*cp={2 * cp} long")
+    if layout.cp > 1 and any(size % (2 * layout.cp) for row in rows for size in _sizes(row, meta["cp_split"])):
+        raise Malformed(f"{where}: rows: a document (or row) is not a multiple of 2*cp={2 * layout.cp} long")
     return rows
 
 
@@ -114,7 +120,7 @@ def _sizes(row: BatchRow, cp_split: str) -> list[int]:
     return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
 
 
-def check_manifest(raw: Any, where: str, rank: int, layout: dict, rank_dir: Path) -> tuple[RankCoords, list, dict]:
+def check_manifest(raw: Any, where: str, rank: int, layout: Layout, rank_dir: Path) -> tuple[RankCoords, list, dict]:
     manifest = _dict(raw, where)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise Malformed(f"{where}: not a megalign manifest of version {VERSION}")
@@ -123,9 +129,9 @@ def check_manifest(raw: Any, where: str, rank: int, layout: dict, rank_dir: Path
     coords = RankCoords(rank=rank, **{f"{axis}_rank": _int(manifest.get(f"{axis}_rank", 0), f"{where}: {axis}_rank")
                                       for axis in LAYOUT_AXES + ("dp",)})
     for axis in LAYOUT_AXES + ("dp",):
-        if getattr(coords, f"{axis}_rank") >= layout.get(axis, 1):
+        if getattr(coords, f"{axis}_rank") >= getattr(layout, axis):
             raise Malformed(f"{where}: {axis}_rank {getattr(coords, f'{axis}_rank')} is outside the layout's "
-                            f"{axis}={layout[axis]}")
+                            f"{axis}={getattr(layout, axis)}")
     tensors = manifest.get("tensors")
     if not isinstance(tensors, list):
         raise Malformed(f"{where}: tensors must be a list of records")

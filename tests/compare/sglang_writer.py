@@ -43,20 +43,20 @@ def load_sglang_dumper():
     return dumper
 
 
-def dims_of(record, layout: dict):
+def dims_of(record, layout):
     """The sglang dims string for a megalign record, or None where dims cannot say it."""
     sharding = record.sharding
-    if not record.shape or (sharding.tp_dim is not None and sharding.tp_parts > 1 and layout["tp"] > 1):
+    if not record.shape or (sharding.tp_dim is not None and sharding.tp_parts > 1 and layout.tp > 1):
         return None  # scalars have no dims; fused gate|up slices have no sglang spelling
     tokens = []
     for dim in range(len(record.shape)):
         if dim == sharding.seq_dim:
-            tokens.append("s[cp:zigzag]" if layout["cp"] > 1 else "s")
-        elif dim == sharding.tp_dim and layout["tp"] > 1:
+            tokens.append("s[cp:zigzag]" if layout.cp > 1 else "s")
+        elif dim == sharding.tp_dim and layout.tp > 1:
             tokens.append(f"d{dim}[tp]")
         else:
             tokens.append(f"d{dim}")
-    replicated = [axis for axis in ("tp", "cp") if layout[axis] > 1 and not any(
+    replicated = [axis for axis in ("tp", "cp") if getattr(layout, axis) > 1 and not any(
         f"[{axis}" in t for t in tokens)]
     return " ".join(tokens) + (" # " + " ".join(f"{a}:replicated" for a in replicated) if replicated else "")
 
@@ -91,8 +91,8 @@ def main(source: str, out: str) -> None:
 
     dist.init_process_group("gloo")
     dump = Dump.open(Path(source))
-    layout = dump.layout()
-    parallel_state.initialize_model_parallel(layout["tp"], layout["pp"], context_parallel_size=layout["cp"])
+    layout = dump.layout
+    parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
     dumper = load_sglang_dumper().dumper
     dumper.configure(enable=True, dir=out, exp_name="exp", enable_output_console=False, enable_grad=True,
                      enable_model_grad=True, enable_model_value=False)

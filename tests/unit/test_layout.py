@@ -81,6 +81,6 @@ def test_kinds_are_one_list_and_every_kind_table_names_only_kinds():
     from megalign.dump.format import KINDS, Kind
 
     assert KINDS == tuple(Kind) == ("input", "activation", "activation_grad", "param_grad", "logits", "logprobs",
-                                    "loss", "routing")
+                                    "loss", "routing", "param")
     for table in (PHASES, *BUDGET.values(), *DEFAULTS.values()):
         assert set(table) <= set(KINDS)

@@ -12,7 +12,9 @@ from typing import Optional
 import torch
 
 from megalign.compare.entries import Entry, Source, phase
-from megalign.compare.reassemble import Shard, full_shape, reassemble
+from megalign.compare.plan import Shard, full_shape
+from megalign.compare.reassemble import reassemble
+from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump
 
 
@@ -33,35 +35,38 @@ def open_megalign(path: Path) -> Source:
 def _open(path: Path) -> Source:
     dump = Dump.open(path)
     groups: dict[tuple[str, str], list[Shard]] = {}
+    several = isinstance(dump.meta.get("steps"), list) and len(dump.meta["steps"]) > 1
+    steps: dict[tuple[str, str], tuple] = {}  # where a dump holds several steps: each entry's (step,)
     for rank in dump.ranks:
         seen: Counter = Counter()
         for record in rank.records:
+            step = _step(rank.extra.get("steps"), record.order) if several else None
+            label = record.name if step is None else f"step{step}/{record.name}"
             # A module called twice per step dumps its name twice: the repeats get @1, @2, ...
-            repeat = seen[(record.kind, record.name)]
-            seen[(record.kind, record.name)] += 1
-            name = record.name if repeat == 0 else f"{record.name}@{repeat}"
+            repeat = seen[(record.kind, label)]
+            seen[(record.kind, label)] += 1
+            name = label if repeat == 0 else f"{label}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
-    meta, layout = dump.meta, dump.layout()
-    entries = [_entry(dump, kind, name, shards) for (kind, name), shards in groups.items()]
-    description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, "
-                   f"tp={layout['tp']} pp={layout['pp']} cp={layout['cp']}"
-                   + (f" dp={layout['dp']}" if layout.get("dp", 1) > 1 else "") + (" sp" if layout.get("sp") else "")
-                   + (f" ep={layout['ep']}" if isinstance(layout.get("ep"), int) and layout["ep"] > 1 else "")
+            steps[(record.kind, name)] = () if not several else (-1 if step is None else step,)
+    meta = dump.meta
+    entries = [_entry(dump, kind, name, shards, steps[(kind, name)]) for (kind, name), shards in groups.items()]
+    description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
                    + (", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
-                  weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"), kernel=_kernel(meta))
+                  weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"),
+                  kernel=_kernel(meta, dump.layout))
 
 
-def _kernel(meta: dict) -> str:
+def _kernel(meta: dict, layout: Layout) -> str:
     """The attention kernel as far as dump.json tells. `auto` picks by device (TE on CUDA where it is
     installed), then megatron's local attention at CP=1 unpacked and megalign's otherwise (docs/running.md)."""
     attention = meta.get("attention")
     if attention != "auto":
         return str(attention)
-    local = (meta.get("layout") or {}).get("cp", 1) == 1 and not meta.get("packed")
+    local = layout.cp == 1 and not meta.get("packed")
     return f"auto: {'local' if local else 'megalign'} on {meta.get('device')}"
 
 
@@ -72,11 +77,20 @@ def _weights(meta: dict) -> Optional[str]:
     return f"seed {meta['seed']}" if meta.get("seed") is not None else None
 
 
-def _entry(dump: Dump, kind: str, name: str, shards: list[Shard]) -> Entry:
+def _step(marks: Optional[list], order: int) -> Optional[int]:
+    """The step a record was written in, from its manifest's [step, first record] marks (Dumper)."""
+    found = None
+    for mark in marks if isinstance(marks, list) else []:
+        if isinstance(mark, list) and len(mark) == 2 and all(type(v) is int for v in mark) and order >= mark[1]:
+            found = mark[0]
+    return found
+
+
+def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: tuple) -> Entry:
     record = shards[0].record
-    shape = full_shape(shards, dump.layout())
+    shape = full_shape(shards, dump.layout)
     itemsize = getattr(torch, record.dtype).itemsize
-    return Entry(kind=kind, name=name, order=_order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
+    return Entry(kind=kind, name=name, order=step + _order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
                  shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
                  nbytes=None if record.file is None else math.prod(shape) * itemsize, shards=shards)
 

@@ -132,6 +132,15 @@ def _cpu_schedules():
         setattr(schedules, name, _on_cpu(getattr(schedules, name)))
 
 
+def _cpu_optimizer():
+    import megatron.core.optimizer as optimizer
+    from megatron.core.optimizer import optimizer as classes
+
+    optimizer.get_megatron_optimizer = _on_cpu(optimizer.get_megatron_optimizer, cuda_type_names=True)
+    for cls in (classes.MixedPrecisionOptimizer, classes.FP32Optimizer, classes.ChainedOptimizer):
+        cls.step = _on_cpu(cls.step, cuda_type_names=True)
+
+
 def _cpu_tied_embeddings():
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
@@ -202,8 +211,10 @@ def _thd_partitioned_indices():
     utils.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
 
 
-def _on_cpu(schedule):
-    """Run a schedule (or any megatron function) with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU."""
+def _on_cpu(schedule, cuda_type_names: bool = False):
+    """Run a schedule (or any megatron function) with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU.
+    `cuda_type_names`: a CPU tensor's `.type()` also answers `torch.cuda.FloatTensor` (and so on) inside the call, for the
+    optimizer's checks that its parameters are on a GPU; never outside it."""
     from torch.overrides import TorchFunctionMode
 
     def is_cuda(device) -> bool:
@@ -214,6 +225,9 @@ def _on_cpu(schedule):
             kwargs = dict(kwargs or {})
             if func is torch.Tensor.cuda:
                 return args[0]
+            if cuda_type_names and func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
             if is_cuda(kwargs.get("device")):
                 kwargs["device"] = "cpu"
             if kwargs.get("pin_memory"):
@@ -268,6 +282,12 @@ PATCHES: tuple[Patch, ...] = (
            "setup_embeddings_and_output_layer",),
           "with tied embeddings under PP the last stage's copy of the embeddings is moved with .cuda() before "
           "its all-reduce", _cpu_tied_embeddings),
+    Patch(("megatron.core.optimizer:get_megatron_optimizer",
+           "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.step",
+           "megatron.core.optimizer.optimizer:FP32Optimizer.step",
+           "megatron.core.optimizer.optimizer:ChainedOptimizer.step"),
+          "the optimizer (a user's training loop) allocates its found-inf flag and grad-norm buffers with "
+          "device='cuda' and checks that its parameters' .type() is a torch.cuda one", _cpu_optimizer),
     MOE_SPLITS,
     NO_COMPILE,
     UNEVEN_COLLECTIVES,
@@ -284,6 +304,8 @@ def apply_te_stand_ins() -> None:
 
 
 def apply_cpu_patches() -> None:
+    """Everything megatron-core needs on a CPU: a user's script that runs megatron-core on gloo calls
+    this once, first (before its own `import megatron.core`), where a GPU would need nothing."""
     global _applied
     if _applied:
         return

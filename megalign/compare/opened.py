@@ -1,4 +1,4 @@
-"""`megalign.open`: a dump, read the way `megalign compare` reads it.
+"""`megalign.open` (re-exported by `megalign`): a dump, read the way `megalign compare` reads it.
 
 A thin view over compare's sources (compare/sources/): the same detection of what a path is, the
 same names, and the same reassembly of each tensor from its rank files, so that a tensor seen here is
@@ -8,16 +8,18 @@ or the files' headers; a tensor is read when it is asked for.
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from megalign.compare.buffers import check_fits
 from megalign.compare.entries import Entry, Source
+from megalign.compare.explain import near_names
 from megalign.compare.sources import open_source
 from megalign.dump.format import TensorRecord
+from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump as DumpFiles
 from megalign.dump.reader import RankManifest
 from megalign.dump.sharding import Sharding
@@ -90,6 +92,12 @@ class Dump:
         """What ran: dump.json of a megalign dump (stack, mode, layout, model, dtype, ...); {} otherwise."""
         return self._source.dump.meta if self._source.dump is not None else {}
 
+    @property
+    def layout(self) -> Optional[Layout]:
+        """How a megalign dump's ranks split the work: tp, pp, cp, dp, sp, ep, etp (`describe()` prints
+        it as compare does); None for other formats."""
+        return self._source.dump.layout if self._source.dump is not None else None
+
     def names(self, kind: Optional[str] = None) -> list[tuple[Optional[str], str]]:
         """(kind, name) of every tensor in execution order (forward, activation gradients, parameter
         gradients), or of one kind. For plain tensor files every pair is (None, name), in file order."""
@@ -100,6 +108,7 @@ class Dump:
         DP, SP, EP), exactly as compare sees it: a CPU tensor. KeyError for a name the dump does not
         hold; ValueError for a --stats-only dump or shards that do not make up the tensor."""
         entry = self._entry(kind, name)
+        check_fits(entry.nbytes or 0, f"{kind} {name} of {self.path}")
         value = entry.load()
         if value.problem:
             raise ValueError(f"{self.path}: {kind} {name} cannot be put back together: it {value.problem}")
@@ -128,7 +137,7 @@ class Dump:
         if kinds:
             raise UnknownTensor(f"{self.path} has no {kind} {name!r}; it has {name!r} as kind "
                            f"{', '.join(map(repr, kinds))}")
-        close = difflib.get_close_matches(name, [n for k, n in self._entries if k == kind], n=3)
+        close = near_names(name, [n for k, n in self._entries if k == kind])
         hint = f"; close names: {', '.join(close)}" if close else f"; names() lists its {len(self._entries)} tensors"
         raise UnknownTensor(f"{self.path} has no {kind} {name!r}{hint}")
 

@@ -1,0 +1,231 @@
+"""Where each shard of a megalign dump's tensor goes in the whole: a plan, plain data worked out from
+the records and the layout alone (nothing is read); reassemble.py carries it out.
+
+Each shard's place is worked out per dim, as runs of local positions that land on consecutive global
+ones: along tp_dim, TP shards in tp_rank order (fused tensors, tp_parts, part by part); along the
+sequence dim, SP pieces in tp_rank order within their CP rank's piece, then the CP zigzag undone
+(document by document in a packed row, at the dump's bounds); along dp_dim, DP ranks in order. On an
+axis a tensor is not split on (no tp_dim, no sequence dim under CP, no dp_dim), the ranks hold
+replicas: the first is placed, the others are checked against it, by the content hash the run
+recorded for each (read only when the hashes differ, or a dump has none).
+Under PP a name lives on one stage, whose ranks are exactly the shards given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, NamedTuple, Optional
+
+from megalign.dump.format import RankCoords, TensorRecord
+from megalign.dump.layout import Layout, cp_bounds, cp_positions
+from megalign.dump.reader import RankManifest
+
+
+@dataclass
+class Shard:
+    """One rank's record of a tensor, as its manifest holds it."""
+
+    rank: RankManifest
+    record: TensorRecord
+
+
+class Run(NamedTuple):
+    """Along one dim: the shard's `length` positions from `local` land on the whole's from `start`."""
+
+    local: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Split:
+    """One axis the tensor is split on: its size, the dim it splits, and how (`parts`: fused tensors'
+    parts, each split on its own; `zigzag`: CP's load-balanced order)."""
+
+    axis: str  # TP, SP (TP ranks along the sequence), CP or DP
+    size: int
+    dim: int
+    parts: int = 1
+    zigzag: bool = False
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A rank holding the same values as a placed one: not placed, checked against it. `read`: its
+    values are read to be checked (no hash, or a hash other than the placed shard's)."""
+
+    coords: RankCoords
+    read: bool
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One placed shard: the runs of every dim it covers only part of (other dims: whole), in dim order."""
+
+    coords: RankCoords
+    runs: tuple[tuple[int, tuple[Run, ...]], ...]
+    replicas: tuple[Replica, ...] = ()
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole tensor's shape, the shards' (all alike), the axes it is split on, and every placed shard."""
+
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    splits: tuple[Split, ...]
+    pieces: tuple[Piece, ...]
+
+    def explain(self) -> list[str]:
+        """The plan as lines: the split, then every rank, in rank order: where its piece goes, or
+        whose replica it is."""
+        splits = ", ".join(_split_text(s) for s in self.splits) or "not split: every rank holds all of it"
+        count = len(self.pieces)
+        lines = [f"{_shape_text(self.shape)} from {count} piece{'' if count == 1 else 's'} of "
+                 f"{_shape_text(self.shard_shape)}; {splits}"]
+        ranks: list[tuple[int, str]] = []
+        for piece in self.pieces:
+            ranks.append((piece.coords.rank, f"{_coords_text(piece.coords)}: {_runs_text(piece.runs)}"))
+            ranks += [(r.coords.rank, f"{_coords_text(r.coords)}: replica of rank {piece.coords.rank}, "
+                                      + ("read and checked against it" if r.read else "same hash: not read"))
+                      for r in piece.replicas]
+        return lines + [f"  {text}" for _, text in sorted(ranks)]
+
+
+class Unassemblable(ValueError):
+    """Shards are missing, differ in shape, or do not make up the whole: the tensor cannot be put back together."""
+
+
+def same_shape(shapes: Iterable[tuple[int, ...]]) -> None:
+    """Replicas (and shards) of one tensor have one shape; Unassemblable otherwise."""
+    found = set(shapes)
+    if len(found) > 1:
+        raise Unassemblable(f"has replicas of different shapes {sorted(found)}: not the same tensor on every rank")
+
+
+def make_plan(shards: list[Shard], layout: Layout,
+              row_bounds: Callable[[int], Optional[tuple[int, ...]]] = lambda dp_rank: None) -> Plan:
+    """Every shard's runs, or its place among the replicas of another; Unassemblable when the shards
+    do not make up the whole tensor exactly once. `row_bounds(dp_rank)`: where that DP rank's row was
+    cut for the CP split (reader.Dump.cp_bounds), None for a whole row."""
+    same_shape(tuple(s.record.shape) for s in shards)
+    splits = _splits(shards[0].record, layout)
+    split_axes = {s.axis for s in splits}
+    split_tp, split_cp, split_dp = bool(split_axes & {"TP", "SP"}), "CP" in split_axes, "DP" in split_axes
+    placed: dict[tuple[int, int, int], tuple[Shard, list[Shard]]] = {}
+    for shard in sorted(shards, key=lambda s: (s.rank.coords.dp_rank, s.rank.coords.cp_rank, s.rank.coords.tp_rank)):
+        c = shard.rank.coords
+        key = (c.tp_rank if split_tp else 0, c.cp_rank if split_cp else 0, c.dp_rank if split_dp else 0)
+        if key in placed:
+            placed[key][1].append(shard)
+        else:
+            placed[key] = (shard, [])
+    expected = 1
+    for split in splits:
+        expected *= split.size
+    if len(placed) != expected:
+        axes = " x ".join(f"{s.size} {'TP' if s.axis == 'SP' else s.axis}" for s in splits)
+        raise Unassemblable(f"has {len(placed)} of the {expected} shards its split ({axes}) makes")
+    shape, first = full_shape(shards, layout), shards[0].record
+    if len(placed) * math.prod(first.shape) != math.prod(shape):  # ranks that claim the same coordinates
+        raise Unassemblable(f"has shards of {_shape_text(first.shape)} that do not make up its "
+                            f"{_shape_text(shape)} (ranks that claim the same place)")
+    pieces = tuple(Piece(coords=shard.rank.coords,
+                         runs=_runs(shard, layout, splits, row_bounds(shard.rank.coords.dp_rank)),
+                         replicas=tuple(Replica(r.rank.coords, read=not _same_content(shard, r)) for r in replicas))
+                   for shard, replicas in placed.values())
+    return Plan(shape=tuple(shape), shard_shape=tuple(first.shape), splits=splits,
+                pieces=pieces)
+
+
+def _splits(record: TensorRecord, layout: Layout) -> tuple[Split, ...]:
+    """The axes of more than one rank a record's tensor is split on, in the order its runs are worked out."""
+    sharding = record.sharding
+    splits = []
+    if sharding.sp and layout.tp > 1:
+        splits.append(Split("SP", layout.tp, sharding.seq_dim))
+    elif sharding.tp_dim is not None and layout.tp > 1:
+        splits.append(Split("TP", layout.tp, sharding.tp_dim, parts=sharding.tp_parts))
+    if sharding.seq_dim is not None and layout.cp > 1:
+        splits.append(Split("CP", layout.cp, sharding.seq_dim, zigzag=True))
+    if sharding.dp_dim is not None and layout.dp > 1:
+        splits.append(Split("DP", layout.dp, sharding.dp_dim))
+    return tuple(splits)
+
+
+def _runs(shard: Shard, layout: Layout, splits: tuple[Split, ...],
+          bounds: Optional[tuple[int, ...]]) -> tuple[tuple[int, tuple[Run, ...]], ...]:
+    shape, c = shard.record.shape, shard.rank.coords
+    runs: dict[int, list[Run]] = {}
+    for split in splits:
+        if split.axis == "SP":
+            size = shape[split.dim]
+            runs[split.dim] = [Run(0, c.tp_rank * size, size)]  # within this CP rank's piece
+        elif split.axis == "TP":
+            size = shape[split.dim] // split.parts
+            runs[split.dim] = [Run(p * size, (p * layout.tp + c.tp_rank) * size, size) for p in range(split.parts)]
+        elif split.axis == "CP":
+            piece = shape[split.dim] * (layout.tp if shard.record.sharding.sp else 1)
+            positions = cp_positions(cp_bounds(bounds, piece, layout.cp), c.cp_rank, layout.cp).tolist()
+            runs[split.dim] = _through(runs.get(split.dim, [Run(0, 0, shape[split.dim])]), positions)
+        else:
+            size = shape[split.dim]
+            runs[split.dim] = [Run(0, c.dp_rank * size, size)]
+    return tuple((dim, tuple(runs[dim])) for dim in sorted(runs))
+
+
+def _through(runs: list[Run], positions: list[int]) -> list[Run]:
+    """Runs whose global starts index `positions`, mapped onto those positions (split where they jump)."""
+    mapped = []
+    for local, start, length in runs:
+        begin = 0
+        for i in range(1, length + 1):
+            if i == length or positions[start + i] != positions[start + i - 1] + 1:
+                mapped.append(Run(local + begin, positions[start + begin], i - begin))
+                begin = i
+    return mapped
+
+
+def _same_content(shard: Shard, replica: Shard) -> bool:
+    """The run recorded the same bytes for both (dump.format's hash): the replica need not be read."""
+    a, b = shard.record, replica.record
+    return a.hash is not None and a.hash == b.hash and a.dtype == b.dtype
+
+
+def full_shape(shards: list[Shard], layout: Layout) -> list[int]:
+    """The reassembled shape, from the records alone (also for stats-only dumps)."""
+    record = shards[0].record
+    shape = list(record.shape)
+    sharding = record.sharding
+    first = shards[0].rank.coords
+    if sharding.tp_dim is not None or sharding.sp:
+        tp_shards = sum(1 for s in shards if (s.rank.coords.cp_rank, s.rank.coords.dp_rank) ==
+                        (first.cp_rank, first.dp_rank))
+        shape[sharding.seq_dim if sharding.sp else sharding.tp_dim] *= tp_shards
+    if sharding.seq_dim is not None and layout.cp > 1:
+        shape[sharding.seq_dim] *= layout.cp
+    if sharding.dp_dim is not None:
+        shape[sharding.dp_dim] *= layout.dp
+    return shape
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+def _split_text(split: Split) -> str:
+    how = (f" ({split.parts} parts, each split)" if split.parts > 1 else "") + (" (zigzag)" if split.zigzag else "")
+    return f"{split.axis} {split.size} along dim {split.dim}{how}"
+
+
+def _coords_text(c: RankCoords) -> str:
+    return f"rank {c.rank} (tp {c.tp_rank} cp {c.cp_rank} dp {c.dp_rank} pp {c.pp_rank})"
+
+
+def _runs_text(runs: tuple[tuple[int, tuple[Run, ...]], ...]) -> str:
+    """`dim 0 [0:4] -> [0:4], [4:8] -> [12:16]`: local ranges and where they go along each split dim."""
+    if not runs:
+        return "all of it, as it is"
+    return "; ".join(f"dim {dim} " + ", ".join(f"[{r.local}:{r.local + r.length}] -> [{r.start}:{r.start + r.length}]"
+                                               for r in dim_runs) for dim, dim_runs in runs)

@@ -1,0 +1,50 @@
+"""Parameter gradients where megatron-core's DDP leaves them, read without touching the user's buffers.
+
+After `finalize_model_grads`, `.grad` is None and each `param.main_grad` is a view into its bucket's
+`grad_data`. With the distributed optimizer only this rank's 1/(DP*CP) shard of each bucket holds
+reduced values; the rest holds the rank's own unreduced gradient. The full gradient is each
+rank's shard, all-gathered into a fresh tensor (never into `grad_data`: the user's code after the
+step, clipping included, must see the buffer as DDP left it). Duck-typed on the attributes that
+megalign's worker depends on too (stacks/megatron/grads.py), so that dump/ imports no megatron.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def is_megatron_ddp(module: object) -> bool:
+    return hasattr(module, "bucket_groups") and hasattr(module, "ddp_config") and hasattr(module, "module")
+
+
+def find_megatron_ddp(module: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The megatron DDP wrapping `module`, when the user watched the bare model: a one-time scan,
+    done only where a parameter has a `main_grad` (which only such a DDP gives it)."""
+    if not any(hasattr(param, "main_grad") for param in module.parameters()):
+        return None
+    return next((o for o in gc.get_objects() if is_megatron_ddp(o) and o.module is module), None)
+
+
+def sharded(ddp: torch.nn.Module) -> bool:
+    """Whether the distributed optimizer leaves only a shard of each bucket reduced (plain DDP
+    all-reduces whole buckets: main_grad is then the gradient)."""
+    return bool(ddp.ddp_config.use_distributed_optimizer)
+
+
+def gathered_grads(ddp: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(param, full reduced gradient) for every parameter of a sharded DDP, one bucket at a time
+    (the gathered bucket is the only extra memory). Every rank of the DP*CP group must call it."""
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        ranks = group.intra_distributed_optimizer_instance_group
+        for bucket in group.buckets:
+            data = bucket.grad_data
+            size = data.numel() // ranks.size()  # megatron pads buckets to a multiple of the group size
+            full = torch.empty_like(data)
+            mine = data[ranks.rank() * size:(ranks.rank() + 1) * size]
+            dist.all_gather_into_tensor(full, mine.contiguous(), group=ranks)
+            for param, (start, end) in bucket.param_to_index.items():
+                yield param, full[start:end].view(param.shape)
