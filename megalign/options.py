@@ -65,6 +65,11 @@ class ModelSource:
     hf: Optional[Path] = option(None, "--hf", metavar="DIR",
                                 help="Hugging Face checkpoint folder (config.json + safetensors) of a Llama, Qwen2 "
                                      "or Qwen3 model; replaces --config. Default: none.")
+    load: Optional[Path] = option(None, "--load", metavar="DIR",
+                                  help="Take the weights from a Megatron distributed checkpoint (torch_dist, as "
+                                       "Megatron-LM and --save write it), resharded to this run's layout by "
+                                       "megatron-core. Its model comes from the megalign.json --save writes beside "
+                                       "it, else from --config or --hf. Default: none.")
     stack: Stack = option("megatron", "--stack",
                           help="megatron: megatron-core workers under torchrun. hf: the --hf checkpoint through "
                                "transformers in this process (one rank).")
@@ -167,6 +172,10 @@ class Output:
                                         "Default: all.")
     stats_only: bool = option(False, "--stats-only",
                               help="Write per-tensor statistics instead of values (for big models). Default: values.")
+    save: Optional[Path] = option(None, "--save", metavar="DIR",
+                                  help="Also write this run's weights as a Megatron distributed checkpoint (torch_dist) "
+                                       "in DIR, new or empty, with megalign.json (the model) beside them, so that "
+                                       "--load DIR needs no --config. Default: none.")
     overwrite: bool = option(False, "--overwrite",
                              help="If --out is a megalign dump, delete it and write this run's dump in its place "
                                   "(only once this run has finished). Anything else in --out (files that are not a "

@@ -206,6 +206,8 @@ class RunSpec:
     timeout_s: float = Launch.timeout_s
     distributed_optimizer: bool = Parallelism.distributed_optimizer
     hf: Optional[str] = None  # --hf: a Hugging Face checkpoint folder to load instead of seeded weights
+    load: Optional[str] = None  # --load: a Megatron distributed checkpoint's folder (an iteration's), weights from it
+    save: Optional[str] = None  # --save: the folder to write this run's weights to as one (the launcher's staging)
     packed: bool = Batch.packed
     packed_split: PackedSplit = Batch.packed_split
     moe_dispatcher: MoeDispatcher = Parallelism.moe_dispatcher

@@ -29,6 +29,14 @@ def invoke(*args: str, env: Optional[dict[str, str]] = None):
     return CliRunner().invoke(app, [str(a) for a in args], env=env)
 
 
+def error_line(result, traceback: bool = False) -> str:
+    """The one `error:` line; a traceback only where a worker crashed (the failing rank's own)."""
+    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.output
+    assert ("Traceback" in result.output) == traceback, result.output
+    return lines[0]
+
+
 def run_key(mode: str, *args: str) -> RunConfig:
     """The run `megalign MODE ARGS` makes, however it is spelled: its RunConfig without --out."""
     return replace(parse_run(mode, [str(a) for a in args]), out=None)

@@ -23,6 +23,7 @@ from megalign.run.launch import (RunResult, check_options, launch, run_here, run
                                            signals_as_interrupts)
 from megalign.run.plan import plan_run
 from megalign.stacks.batch import batch_rows
+from megalign.stacks.dist_checkpoint import MODEL_FILE
 from megalign.cli.render import console, err_console, fail, human_bytes, plural
 
 
@@ -159,6 +160,8 @@ def _summary(spec, result: RunResult, stack: str) -> None:
              ("tensors", f"{result.tensors} records from {plural(result.ranks, 'rank')}"
                          + ("  (statistics only)" if spec.stats_only else "")),
              ("size", human_bytes(result.bytes))]
+    if spec.save:
+        lines.append(("saved", f"{spec.save} (Megatron distributed checkpoint, with {MODEL_FILE})"))
     if result.loss is not None:
         lines.append(("loss", f"{result.loss:.6f}"))
     lines.append(("time", f"{result.seconds:.1f} s"))

@@ -38,48 +38,49 @@ def aside_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.megalign-replaced-{os.getpid()}")
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse, before anything starts, an --out that cannot be written or must not be replaced."""
+def check_out(out: Path, overwrite: bool, flag: str = "--out") -> None:
+    """Refuse, before anything starts, an --out that cannot be written or must not be replaced. The same
+    rules hold for every folder a run lands (--save's checkpoint: `flag` names the option in messages)."""
     try:
-        _check_out(out, overwrite)
+        _check_out(out, overwrite, flag)
     except OSError as e:  # e.g. a name the file system cannot hold (ENAMETOOLONG)
-        raise UserError(f"--out {out}: {e.strerror}") from None
+        raise UserError(f"{flag} {out}: {e.strerror}") from None
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def _check_out(out: Path, overwrite: bool, flag: str) -> None:
     if out.is_symlink():
         # Landing renames a folder onto OUT: onto a link it would replace the link, not the dump it points to.
-        raise UserError(f"--out {out} is a symbolic link; give the folder itself ({os.path.realpath(out)})")
+        raise UserError(f"{flag} {out} is a symbolic link; give the folder itself ({os.path.realpath(out)})")
     if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} exists and is not a folder")
+        raise UserError(f"{flag} {out} exists and is not a folder")
     resolved, cwd = out.resolve(), Path.cwd().resolve()
     if resolved == cwd or resolved in cwd.parents:
-        raise UserError(f"--out {out} is the working folder or holds it; give a folder of its own, e.g. dumps/run1")
+        raise UserError(f"{flag} {out} is the working folder or holds it; give a folder of its own, e.g. dumps/run1")
     ancestor = resolved.parent  # the folders up to it are made by the run
     while not ancestor.exists():
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise UserError(f"--out {out}: {ancestor} is not a folder")
+        raise UserError(f"{flag} {out}: {ancestor} is not a folder")
     if not os.access(ancestor, os.W_OK):
-        raise UserError(f"--out {out}: {ancestor} is not writable")
-    _check_name_length(out, ancestor)
+        raise UserError(f"{flag} {out}: {ancestor} is not writable")
+    _check_name_length(out, ancestor, flag)
     staging = staging_dir(out)
     if staging.exists() and not staging.is_dir():
-        raise UserError(f"--out {out}: {staging} exists and is not a folder; move it away")
+        raise UserError(f"{flag} {out}: {staging} exists and is not a folder; move it away")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace it (only a megalign "
-                            "dump is ever replaced)")
+            raise UserError(f"{flag} {out} exists and is not empty; " + ("pass --overwrite to replace it (only a "
+                            "megalign dump is ever replaced)" if flag == "--out" else "give a new or empty folder"))
         check_replaceable(out)
 
 
-def _check_name_length(out: Path, folder: Path) -> None:
+def _check_name_length(out: Path, folder: Path, flag: str) -> None:
     """The folders made beside OUT have longer names than OUT's: each must fit the file system, or
     the run would fail after its work is done."""
     limit = os.pathconf(folder, "PC_NAME_MAX")
     longest = max(len(os.fsencode(d.name)) for d in (staging_dir(out), aside_dir(out)))
     if longest > limit:
-        raise UserError(f"--out {out}: the name is too long (megalign's staging folders beside it add "
+        raise UserError(f"{flag} {out}: the name is too long (megalign's staging folders beside it add "
                         f"{longest - len(os.fsencode(out.name))} characters; the file system takes {limit})")
 
 
@@ -179,15 +180,15 @@ def _alive(pid) -> bool:
     return True
 
 
-def _land(staging: Path, out: Path, overwrite: bool) -> None:
+def _land(staging: Path, out: Path, overwrite: bool, flag: str) -> None:
     """Rename the finished staging folder to OUT. A replaced dump is moved aside first and removed
     after, so that OUT is at every moment either the old dump or the new one."""
     (staging / MARKER).unlink()
     old = None
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise UserError(f"--out {out} was filled by something else during the run; this run's dump is "
-                            f"left in {staging}")
+            raise UserError(f"{flag} {out} was filled by something else during the run; what this run wrote "
+                            f"is left in {staging}")
         check_replaceable(out)
         old = aside_dir(out)
         os.replace(out, old)
@@ -197,7 +198,7 @@ def _land(staging: Path, out: Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def staged(out: Path, overwrite: bool, owner: bool = True) -> Iterator[Path]:
+def staged(out: Path, overwrite: bool, owner: bool = True, flag: str = "--out") -> Iterator[Path]:
     """Yield OUT.partial to write into; rename it to OUT once the block succeeds, remove it if not.
 
     Only the owner (node 0) creates, lands or removes the folder; other nodes' workers write into it.
@@ -212,4 +213,4 @@ def staged(out: Path, overwrite: bool, owner: bool = True) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     if owner:
-        _land(staging, out, overwrite)
+        _land(staging, out, overwrite, flag)

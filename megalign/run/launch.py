@@ -116,16 +116,23 @@ def launch(spec: RunSpec, stack: str, options: Launch, overwrite: bool,
     check_options(spec, options)
     started = time.monotonic()
     owner = options.node_rank == 0
-    with staged(Path(spec.out), overwrite, owner) as staging, \
+    with staged(Path(spec.out), overwrite, owner) as staging, _staged_save(spec.save, owner) as save, \
             tempfile.TemporaryDirectory(prefix="megalign-") as scratch:
         spec_file = Path(scratch) / "spec.json"
-        spec_file.write_text(replace(spec, out=str(staging)).to_json())
+        spec_file.write_text(replace(spec, out=str(staging), save=save and str(save)).to_json())
         command = torchrun_command(spec, stack, spec_file, Path(scratch) / "torchrun-logs", options)
         watch = _run(command, worker_env(spec), spec.timeout_s, on_event)
         if owner and not (staging / DUMP_META).is_file():
             raise RunFailed("the workers exited without writing dump.json", details=_tail(watch))
     return gather_result(Path(spec.out) if owner else staging, time.monotonic() - started, watch.written.values(),
                          landed=owner)
+
+
+def _staged_save(save: Optional[str], owner: bool):
+    """--save's checkpoint lands like the dump (never over a folder of the user's), just before it."""
+    if save is None:
+        return contextlib.nullcontext()
+    return staged(Path(save), False, owner, flag="--save")
 
 
 def gather_result(out: Path, seconds: float, written, landed: bool = True) -> RunResult:

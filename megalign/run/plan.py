@@ -12,6 +12,7 @@ from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
 from megalign.spec import Layout, ModelConfig, RunSpec
+from megalign.stacks.dist_checkpoint import checkpoint_folder, checkpoint_model
 
 
 def resolve_device(device: str) -> str:
@@ -38,15 +39,34 @@ def check_attention(attention: str, cp: int, dtype: str, packed: bool) -> None:
 
 
 def resolve_model(config: RunConfig) -> ModelConfig:
-    """--hf derives the model from the checkpoint's config.json; else --config, else the tiny model."""
+    """--hf derives the model from the checkpoint's config.json; else --config; else --load's megalign.json;
+    else the tiny model. With --load, --hf or --config must be the checkpoint's model."""
     source = config.source
-    if source.hf is None:
-        return ModelConfig.from_yaml(source.config) if source.config else ModelConfig()
-    if source.config:
+    if source.hf and source.config:
         raise UserError("--hf and --config cannot be combined: --hf takes the model from the checkpoint's config.json")
-    from megalign.stacks.hf.checkpoint import open_checkpoint
+    given = ModelConfig.from_yaml(source.config) if source.config else None
+    if source.hf:
+        from megalign.stacks.hf.checkpoint import open_checkpoint
 
-    return open_checkpoint(source.hf).model
+        given = open_checkpoint(source.hf).model
+    if source.load:
+        return checkpoint_model(checkpoint_folder(source.load), given, f"--hf {source.hf}" if source.hf else f"--config {source.config}")
+    return given or ModelConfig()
+
+
+def check_checkpoints(config: RunConfig) -> None:
+    """--load and --save are megatron's; --save lands like --out (dump/landing.py), by megalign's launcher."""
+    load, save = config.source.load, config.output.save
+    if (load or save) and config.source.stack != "megatron":
+        raise UserError("--load and --save read and write Megatron checkpoints: they need --stack megatron")
+    if save is None:
+        return
+    if config.launch.launcher == "none":
+        raise UserError("--save cannot be used with --launcher none (megalign's launcher lands the checkpoint once "
+                        "every rank has written it)")
+    if save.resolve() == config.dump_folder().resolve():
+        raise UserError(f"--save {save} is the dump's folder (--out); give the checkpoint a folder of its own")
+    check_out(save, False, flag="--save")
 
 
 def check_distributed_optimizer(config: RunConfig) -> None:
@@ -79,6 +99,7 @@ def plan_run(config: RunConfig, rollout: Optional[tuple[list[list[int]], list[li
         raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
                         "the folder); remove --out first")
     check_stack(config)
+    check_checkpoints(config)
     model = resolve_model(config)
     batch, p, numerics, output = config.batch, config.parallel, config.numerics, config.output
     if batch.rollout and batch.tokens:
@@ -113,6 +134,8 @@ def plan_run(config: RunConfig, rollout: Optional[tuple[list[list[int]], list[li
                    attention=numerics.attention, loss_norm=numerics.loss_norm, grad_source=numerics.grad_source,
                    filter=output.filter, stats_only=output.stats_only, timeout_s=timeout_s,
                    distributed_optimizer=p.distributed_optimizer, hf=str(config.source.hf) if config.source.hf else None,
+                   load=str(checkpoint_folder(config.source.load)) if config.source.load else None,
+                   save=str(output.save) if output.save else None,
                    packed=batch.packed, moe_dispatcher=p.moe_dispatcher, packed_split=batch.packed_split)
 
 

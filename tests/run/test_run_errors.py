@@ -7,15 +7,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import invoke
-
-
-def error_line(result, traceback: bool = False) -> str:
-    """The one `error:` line; a traceback only where a worker crashed (the failing rank's own)."""
-    lines = [line for line in result.output.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, result.output
-    assert ("Traceback" in result.output) == traceback, result.output
-    return lines[0]
+from conftest import error_line, invoke
 
 
 @pytest.fixture

@@ -44,3 +44,17 @@ def swap_experts(source: Path, target: Path, layer: int) -> Path:
     weights.update(swapped)
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
+
+
+def swap_layers(source: Path, target: Path, a: int, b: int) -> Path:
+    """Layers a and b trade all their weights (a converter's layer-index mix-up)."""
+    shutil.copytree(source, target)
+    weights = load_file(str(target / "model.safetensors"))
+    swapped = {}
+    for name, tensor in weights.items():
+        for one, other in ((a, b), (b, a)):
+            if f".layers.{one}." in name:
+                swapped[name.replace(f".layers.{one}.", f".layers.{other}.")] = tensor
+    weights.update(swapped)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target

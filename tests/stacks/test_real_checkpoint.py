@@ -3,7 +3,7 @@
 Its residual stream carries a "massive activation" channel (about 22,000), where float32 rounding of
 the parameter gradients is some 10^6 times what a random tiny model shows. Rounding must pass, by
 default and against an fp64 reference, and each planted bug must fail at the right tensor, both ways.
-Every run is made once per session (conftest's `dump`).
+Every run is made once per session (conftest's `dump`, through smollm2.py's `run`).
 """
 
 from __future__ import annotations
@@ -15,42 +15,13 @@ from pathlib import Path
 
 import pytest
 from conftest import invoke, max_abs_diffs, rescale
-from planted import swap_query_and_key_head, with_config
-from real_checkpoint import build
+from smollm2 import compare, run, smollm2  # noqa: F401 (run, smollm2: fixtures)
 
 # Forward-only planted-bug runs dump the first layers and the outputs: where the bug shows, and enough to
 # see that it is not hidden.
 EARLY = r"^embedding$|^decoder\.layers\.[01](\.|$)|^logits$|^logprobs$|^loss$"
 QKV0 = "decoder.layers.0.self_attention.linear_qkv"
 NORM0 = "decoder.layers.0.input_layernorm"
-
-
-@pytest.fixture(scope="session")
-def smollm2(tmp_path_factory):
-    """The checkpoint, its planted-bug copies, and a run(mode, *args) that dumps it once per session."""
-    checkpoint = build()
-    root = tmp_path_factory.mktemp("smollm2")
-    return {"real": checkpoint,
-            "qk-swapped": swap_query_and_key_head(checkpoint, root / "qk-swapped"),
-            # A conversion that wrote rms_norm_eps 1e-6 instead of 1e-5.
-            "eps": with_config(checkpoint, root / "eps", rms_norm_eps=1e-6)}
-
-
-@pytest.fixture(scope="session")
-def run(dump, smollm2):
-    def make(mode: str, *args: str, checkpoint: str = "real") -> Path:
-        ckpt = smollm2[checkpoint]
-        return dump(mode, "--hf", str(ckpt), "--tokens", str(smollm2["real"] / "tokens.json"), "--seq-len", "36",
-                    *args)
-
-    return make
-
-
-def compare(tmp_path, a, b, *args):
-    report = tmp_path / "r.jsonl"
-    result = invoke("compare", a, b, "--json", report, *args)
-    lines = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else [{}]
-    return result, lines[:-1], lines[-1]
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])

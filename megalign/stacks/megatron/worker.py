@@ -76,13 +76,20 @@ def _run(spec: RunSpec, rank: int) -> None:
     model_parallel_cuda_manual_seed(spec.seed)
     config = transformer_config(spec)
     model = build_model(spec, config)
-    if spec.hf:
+    if spec.load:
+        from megalign.stacks.megatron.checkpoint import load_checkpoint
+
+        load_checkpoint(model, Path(spec.load), spec.model)
+    elif spec.hf:
         from megalign.stacks.hf.checkpoint import megatron_weights, open_checkpoint
 
-        weights = megatron_weights(open_checkpoint(Path(spec.hf)))
+        load_full_weights(model, spec.model, _planted_weights(megatron_weights(open_checkpoint(Path(spec.hf)))))
     else:
-        weights = seeded_weights(spec.seed, spec.model.init_method_std)
-    load_full_weights(model, spec.model, _planted_weights(weights))
+        load_full_weights(model, spec.model, _planted_weights(seeded_weights(spec.seed, spec.model.init_method_std)))
+    if spec.save:
+        from megalign.stacks.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(model, Path(spec.save), spec)
     emit("built", rank)
     _inject_fault(rank)
 

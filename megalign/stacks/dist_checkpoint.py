@@ -1,0 +1,86 @@
+"""A Megatron distributed checkpoint's folder, as --load reads it and --save leaves it (no megatron import).
+
+megatron-core's dist_checkpointing (the torch_dist format) writes metadata.json (naming its backend),
+`.metadata` (torch DCP's index of every tensor) and `*.distcp` files. Megatron-LM saves one in
+DIR/iter_NNNNNNN and names the latest in DIR/latest_checkpointed_iteration.txt; --load takes either
+folder. --save adds megalign.json, the model config, so that a later --load needs no --config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+from megalign.errors import UserError, read_user_text
+from megalign.spec import REQUIRED_KEYS, ModelConfig
+
+MODEL_FILE = "megalign.json"
+FORMAT = "megalign-checkpoint"
+BACKEND = "torch_dist"
+BACKEND_FILE = "metadata.json"  # megatron-core's dist_checkpointing.core.CONFIG_FNAME
+INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's
+
+
+def checkpoint_folder(path: Path) -> Path:
+    """The folder of the checkpoint `--load PATH` names: PATH, or the iteration Megatron-LM's tracker names."""
+    if not path.is_dir():
+        raise UserError(f"--load {path}: no such folder")
+    if (path / TRACKER).is_file() and not (path / BACKEND_FILE).exists():
+        iteration = read_user_text(path / TRACKER, "--load tracker file").strip()
+        if iteration != "release" and not iteration.isdigit():
+            raise UserError(f"--load {path / TRACKER}: expected an iteration number or 'release', got {iteration[:40]!r}")
+        path = path / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+    raw = _json(path / BACKEND_FILE) if (path / BACKEND_FILE).is_file() else None
+    if not isinstance(raw, dict) or "sharded_backend" not in raw:
+        raise UserError(f"--load {path} is not a Megatron distributed checkpoint (no {BACKEND_FILE} naming its "
+                        "backend, as megatron-core's dist_checkpointing writes)")
+    if raw["sharded_backend"] != BACKEND:
+        raise UserError(f"--load {path}: a {raw['sharded_backend']!r} checkpoint; megatron-core reads {BACKEND} only")
+    if not (path / INDEX_FILE).is_file():
+        raise UserError(f"--load {path}: no {INDEX_FILE} (torch DCP's index of the tensors): an incomplete checkpoint")
+    return path
+
+
+def checkpoint_model(folder: Path, given: Optional[ModelConfig], flag: str) -> ModelConfig:
+    """The model of the checkpoint in `folder`: megalign.json's, which `given` (from --config or --hf, `flag`)
+    must match; without megalign.json, `given` describes it (its tensors are checked against it on load)."""
+    saved = _saved_model(folder)
+    if saved is None:
+        if given is None:
+            raise UserError(f"--load {folder} has no {MODEL_FILE} (megalign did not save it): pass --config or --hf "
+                            "to describe its model")
+        return given
+    if given is None:
+        return saved
+    differ = [f"{f.name} {getattr(given, f.name)!r} (checkpoint: {getattr(saved, f.name)!r})"
+              for f in dataclasses.fields(ModelConfig) if f.name != "name" and getattr(given, f.name) != getattr(saved, f.name)]
+    if differ:
+        raise UserError(f"{flag} describes another model than the checkpoint --load {folder}: {', '.join(differ[:3])}"
+                        + (" ..." if len(differ) > 3 else ""))
+    return given
+
+
+def write_model(folder: Path, model: ModelConfig, saved_from: dict) -> None:
+    """megalign.json beside the tensors: the model and what the weights came from (`saved_from`, for a reader)."""
+    (folder / MODEL_FILE).write_text(json.dumps({"format": FORMAT, "version": 1, "model": model.to_dict(),
+                                                 "saved_from": saved_from}, indent=1) + "\n")
+
+
+def _saved_model(folder: Path) -> Optional[ModelConfig]:
+    path = folder / MODEL_FILE
+    if not path.exists():
+        return None
+    raw = _json(path)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("model"), dict):
+        raise UserError(f"--load {path}: not a megalign checkpoint's {MODEL_FILE} (no format {FORMAT!r} and model)")
+    return ModelConfig.from_dict(raw["model"], source=str(path), required=REQUIRED_KEYS)
+
+
+def _json(path: Path):
+    try:
+        return json.loads(read_user_text(path, "--load file"))
+    except ValueError as e:
+        raise UserError(f"--load {path}: not valid JSON ({e})") from None
