@@ -41,6 +41,7 @@ from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatr
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
                                   write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
+from megalign.dump.layout import Layout
 from megalign.dump.meta import dump_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
@@ -74,7 +75,7 @@ class Dumper:
         self._writing = self._choice.all  # outside a step block: only when every step is wanted
         self.out = Path(out)
         self.coords, self.layout = _place()
-        self._world = self.layout["tp"] * self.layout["pp"] * self.layout["cp"] * self.layout["dp"]
+        self._world = self.layout.world_size
         self._landing = contextlib.ExitStack()  # holds the claimed staging folder until close()
         if claim:
             def claim_out() -> None:
@@ -148,7 +149,7 @@ class Dumper:
             module = module.module  # names as the model's own, without DDP's `module.`
         else:
             self._ddps.extend(filter(None, [find_megatron_ddp(module)]))
-        if outputs and (self.layout["tp"] > 1 or self.layout["cp"] > 1):
+        if outputs and (self.layout.tp > 1 or self.layout.cp > 1):
             # Outputs split over TP or CP ranks need megatron-core's inference: megalign's worker has it
             # (stacks/megatron/capture.py, which add()s each output with its Sharding), but dump/ does not
             # import stacks/. Labelled as replicas they would be put back together wrong.
@@ -228,7 +229,7 @@ class Dumper:
         # must not loosen every tensor to bf16 (a 10% error passed).
         dtype = max(floats, key=PRECISIONS.index, default="fp32")
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
-                         self.layout, self._world, {"dtype": dtype, "stats_only": self._writer.stats_only,
+                         self.layout, {"dtype": dtype, "stats_only": self._writer.stats_only,
                                                     "steps": self._steps})
 
     def abort(self) -> None:
@@ -262,7 +263,7 @@ class Dumper:
         return record
 
     def _record(self, key: str, module: str, tensor: torch.Tensor, batch_dim: Optional[int]) -> None:
-        split = batch_dim is not None and tensor.ndim > batch_dim and self.layout["dp"] > 1
+        split = batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1
         sharding = Sharding(dp_dim=batch_dim) if split else Sharding()
         self.add("activation", key, tensor, sharding, module=module)
         if tensor.requires_grad:
@@ -336,19 +337,18 @@ def _param_sharding(param: torch.nn.Parameter) -> Sharding:
     return Sharding(tp_dim=param.partition_dim, tp_parts=getattr(param, "partition_stride", 1))
 
 
-def _place() -> tuple[RankCoords, dict]:
+def _place() -> tuple[RankCoords, Layout]:
     """This process's coordinates and the job's layout: megatron-core's where its parallel_state is
     initialised, else torch.distributed's ranks as DP ranks, else rank 0 of 1."""
     if not (dist.is_available() and dist.is_initialized()):
-        return RankCoords(rank=0), {"tp": 1, "pp": 1, "cp": 1, "dp": 1, "sp": False}
+        return RankCoords(rank=0), Layout()
     rank, world = dist.get_rank(), dist.get_world_size()
     state = sys.modules.get("megatron.core.parallel_state")  # only where the program uses megatron-core
     if state is None or not state.model_parallel_is_initialized():
-        return RankCoords(rank=rank, dp_rank=rank), {"tp": 1, "pp": 1, "cp": 1, "dp": world, "sp": False}
+        return RankCoords(rank=rank, dp_rank=rank), Layout(dp=world)
     coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),
                         cp_rank=state.get_context_parallel_rank(), pp_rank=state.get_pipeline_model_parallel_rank(),
                         dp_rank=state.get_data_parallel_rank())
-    return coords, {"tp": state.get_tensor_model_parallel_world_size(),
-                    "pp": state.get_pipeline_model_parallel_world_size(),
-                    "cp": state.get_context_parallel_world_size(), "dp": state.get_data_parallel_world_size(),
-                    "sp": False}
+    return coords, Layout(tp=state.get_tensor_model_parallel_world_size(),
+                          pp=state.get_pipeline_model_parallel_world_size(),
+                          cp=state.get_context_parallel_world_size(), dp=state.get_data_parallel_world_size())
