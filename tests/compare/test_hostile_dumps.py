@@ -84,7 +84,7 @@ META_EDITS = {
     "an unknown cp split": (lambda m: m.update(cp_split="zig"), "cp_split must be document or row"),
     # The run's dtype sets every threshold: without it each tensor's stored dtype did, and a bf16-stored
     # activation 10% off passed an fp32 comparison.
-    "no dtype": (lambda m: m.__delitem__("dtype"), "dtype None is not one of fp32, bf16, fp16, fp64"),
+    "no dtype": (lambda m: m.__delitem__("dtype"), "dtype None is not one of fp16, bf16, fp32, fp64"),
     "a dtype that is no precision": (lambda m: m.update(dtype={"a": 1}), "dtype {'a': 1} is not one of"),
 }
 
