@@ -20,13 +20,14 @@ SCRIPT = Path(__file__).with_name("megatron_train.py")
 REPO = SCRIPT.parents[2]
 
 
-def start(out: Path, *args: str, steps: str = "") -> subprocess.Popen:
+def start(out: Path, *args: str, steps: str = "", script: Path = SCRIPT, ranks: int = 2) -> subprocess.Popen:
+    """`script` under torchrun with `ranks` gloo ranks, dumping into `out` (MEGALIGN_DUMP)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "MEGALIGN_DUMP": str(out)}
     env.pop("MEGALIGN_DUMP_STEPS", None)
     if steps:
         env["MEGALIGN_DUMP_STEPS"] = steps
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(SCRIPT), *args], cwd=out.parent, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(ranks), str(script), *args], cwd=out.parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
