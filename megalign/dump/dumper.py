@@ -175,7 +175,8 @@ class Dumper:
             self._watched.setdefault(named(path), param)
         if not outputs:
             return
-        self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim), with_kwargs=True))
+        if self.layout.dp > 1 and batch_dim is not None:  # only a DP split needs the batch's rows
+            self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim), with_kwargs=True))
         for path, sub in module.named_modules():
             if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), batch_dim)))
@@ -276,11 +277,11 @@ class Dumper:
 
         return record
 
-    def _batch_hook(self, batch_dim: Optional[int]) -> Callable:
+    def _batch_hook(self, batch_dim: int) -> Callable:
         """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's batch."""
         def read(module, args, kwargs):
             first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-            if batch_dim is not None and first is not None and first.ndim > batch_dim:
+            if first is not None and first.ndim > batch_dim:
                 self._batch = first.shape[batch_dim]
 
         return read

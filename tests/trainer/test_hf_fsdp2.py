@@ -13,19 +13,16 @@ import pytest
 
 import megalign
 from tests.conftest import invoke
-from tests.trainer.test_megatron_trainer import finish, start
+from tests.trainer.torchruns import dump_all
 
 SCRIPT = Path(__file__).with_name("hf_fsdp2_train.py")
 
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory) -> dict[str, Path]:
-    """World 1 and world 2, then world 2 with the bug: two torchruns at a time."""
-    root = tmp_path_factory.mktemp("hf_fsdp2")
-    made = {name: root / name for name in ("w1", "w2", "w2_bug")}
-    finish(start(made["w1"], script=SCRIPT, ranks=1), start(made["w2"], script=SCRIPT))
-    finish(start(made["w2_bug"], "--bug", "rank-mean", script=SCRIPT))
-    return made
+    """World 1, world 2, and world 2 with the bug, side by side."""
+    return dump_all(tmp_path_factory.mktemp("hf_fsdp2"), SCRIPT,
+                    {"w1": (1, ()), "w2": (2, ()), "w2_bug": (2, ("--bug", "rank-mean"))})
 
 
 def test_fsdp2_at_world_2_equals_one_process(dumps):
