@@ -169,7 +169,7 @@ def _mesh_plan(shards: list[Shard]) -> Plan:
         if math.prod(shard.record.shape):
             kept = tuple(c for d, c in enumerate(piece.coord) if d not in mesh.summed)
             sums.setdefault(piece.offset, {}).setdefault(kept, []).append(shard)
-    pieces = []
+    pieces, boxes = [], []
     for offset, groups in sums.items():
         placed, *copies = groups.values()
         same_shape(tuple(s.record.shape) for group in groups.values() for s in group)
@@ -177,13 +177,13 @@ def _mesh_plan(shards: list[Shard]) -> Plan:
             raise Unassemblable(f"has {min(map(len, groups.values()))} of the {terms} partial pieces summed at "
                                 f"offset {list(offset)}")
         shape = placed[0].record.shape
+        boxes.append((offset, shape))
         runs = tuple((d, (Run(0, start, size),)) for d, (start, size) in enumerate(zip(offset, shape))
                      if size != mesh.whole[d])
         pieces.append(Piece(coords=placed[0].rank.coords, runs=runs, terms=tuple(s.rank.coords for s in placed[1:]),
                             replicas=tuple(Replica(copy[0].rank.coords, read=not all(map(_same_content, placed, copy)),
                                                    terms=tuple(s.rank.coords for s in copy[1:])) for copy in copies)))
-    _check_tiling([(offset, groups[next(iter(groups))][0].record.shape) for offset, groups in sums.items()],
-                  mesh.whole)
+    _check_tiling(boxes, mesh.whole)
     return Plan(shape=mesh.whole, shard_shape=tuple(shards[0].record.shape), splits=(), pieces=tuple(pieces),
                 mesh=mesh)
 
