@@ -18,7 +18,7 @@ from megalign.compare.rollout_pair import open_pair
 from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
 from megalign.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
-                                                SKIPPED, Report, Row, compare_sources)
+                                                SKIPPED, UNVERIFIABLE, Report, Row, compare_sources)
 from megalign.dump.format import Kind
 from megalign.errors import UserError
 from megalign.cli.rollout import print_rollout
@@ -27,7 +27,8 @@ from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural
                                  use_color)
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
-                 NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta", APART: "yellow"}
+                 NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta", APART: "yellow",
+                 UNVERIFIABLE: "yellow"}
 
 
 # The options that judge and print a comparison, shared by `compare` and `check`.
@@ -280,6 +281,10 @@ def _print_summary(report: Report, judging: Judging) -> None:
     if s.skipped:
         parts.append(f"[magenta]{s.skipped} skipped[/] (not reassemblable, allowed by --allow-skipped "
                      f"{escape(repr(judging.allow_skipped))})")
+    if s.unverifiable:
+        names = ", ".join(f"{row.kind} {row.name}" for row in report.rows if row.status == UNVERIFIABLE)
+        parts.append(f"[yellow]{s.unverifiable} unverifiable[/] ({escape(names)}: what the values stand for is not "
+                     "recorded; no divergence)")
     if s.apart:
         parts.append(f"[yellow]{s.apart} not lined up[/] (positions, not tokens, in differently packed batches)")
     console.print(", ".join(parts), highlight=False, soft_wrap=True)
