@@ -182,10 +182,10 @@ def _param_grad(files: list[_File], name: str, gate_parts: Callable[[list[torch.
     split over TP (over expert TP for experts) as megatron's parameter names say (dump/megatron_params)."""
     if len(files) == 1 or _dims(files[0]):
         return _reassemble(files)
-    infos = [{**_parallel_info(f), "rank": f.rank} for f in files]
     tensors = [_load(f) for f in files]
     axis = "etp" if ".experts." in name else "tp"
     try:
+        infos = [{**_parallel_info(f), "rank": f.rank} for f in files]
         if axis == "etp" and any(info.get("ep_size", 1) != 1 for info in infos):
             raise ValueError("expert parameters are named by their index on their own EP rank")
         dim = tp_dim_by_name(name)
