@@ -55,3 +55,21 @@ def test_two_requests_decode_steps_swapped_are_caught(written):
     assert dump.tokens() == [A, B]  # the batch's metadata is right: only the rows are swapped
     wrong = (dump.lined_up("hidden") != expected([A, B])).any(dim=-1).nonzero().tolist()
     assert wrong == [[0, 8], [1, 6]]  # exactly the last pass's token of each request
+
+
+def test_passes_that_do_not_fit_together_are_one_line(written, tmp_path):
+    """A pass whose seq_lens claim a position its tokens never reach: refused (UserError: one line, exit 2)."""
+    import shutil
+
+    from megalign.errors import UserError
+
+    copy = shutil.copytree(written["plain"], tmp_path / "exp")
+    file = next(copy.glob("step=4___*___name=seq_lens___*.pt"))
+    content = torch.load(file, weights_only=True)
+    torch.save({**content, "value": torch.tensor([9, 8])}, file)
+    with pytest.raises(UserError, match="step 4: request b's tokens end before position 7"):
+        open_server_dump(copy)
+    # b alone: its cached prefix was computed by no request in the dump.
+    only_b = open_server_dump(written["plain"])
+    only_b.requests = [r for r in only_b.requests if r.rid == "b"]
+    assert "positions 0-2 were not computed for it; no request computed them" in fill_prefixes(only_b)

@@ -123,7 +123,7 @@ def open_sglang(path: Path, folder: Path) -> Source:
     files, skipped = [], 0
     for file in dump_files(folder):
         fields = parse_filename(file)
-        value, meta = _unwrap(load_pt(file))
+        value, meta = unwrap(load_pt(file))
         if not isinstance(value, torch.Tensor):
             skipped += 1  # the dumper also records ints, strings and dicts; there is nothing to compare
             continue
@@ -157,7 +157,7 @@ def open_sglang(path: Path, folder: Path) -> Source:
     return Source(path=Path(path), format="sglang", description=description, entries=entries)
 
 
-def _unwrap(content) -> tuple[object, dict]:
+def unwrap(content) -> tuple[object, dict]:
     """(value, meta) of a dumper file: {"value": v, "meta": {...}}, or a bare value."""
     if isinstance(content, dict) and "value" in content:
         meta = content.get("meta")
@@ -166,7 +166,7 @@ def _unwrap(content) -> tuple[object, dict]:
 
 
 def _load(file: _File) -> torch.Tensor:
-    value, _ = _unwrap(load_pt(file.path))
+    value, _ = unwrap(load_pt(file.path))
     if not isinstance(value, torch.Tensor):
         raise UserError(f"{file.path}: no longer holds a tensor")
     return value

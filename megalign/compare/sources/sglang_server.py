@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from megalign.compare.sources.plain import load_pt
-from megalign.compare.sources.sglang import dump_files, parse_filename
+from megalign.compare.sources.sglang import dump_files, parse_filename, unwrap
 from megalign.errors import UserError
 
 CORE = ("input_ids", "positions", "seq_lens", "rids")
@@ -71,8 +71,7 @@ def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
         fields = parse_filename(file)
         if fields["rank"] != rank:
             continue
-        content = load_pt(file)
-        steps[fields["step"]][fields["name"]] = content["value"] if isinstance(content, dict) else content
+        steps[fields["step"]][fields["name"]] = unwrap(load_pt(file))[0]
     steps = {s: v for s, v in steps.items() if all(k in v for k in CORE)}
     if not steps:
         raise UserError(f"{folder}: no pass with all of {', '.join(CORE)} (a server's dumper writes them every "
@@ -86,7 +85,8 @@ def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
 def _cut(folder: Path, step: int, values: dict, requests: dict[str, Request]) -> None:
     """Give each token of one pass to its request: request i's run ends at position seq_lens[i] - 1."""
     ids, positions, lengths, rids = (values[k] for k in CORE)
-    if not (isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor) and isinstance(lengths, torch.Tensor)
+    vectors = (ids, positions, lengths)
+    if not (all(isinstance(v, torch.Tensor) and v.ndim == 1 and not v.is_floating_point() for v in vectors)
             and isinstance(rids, list) and ids.shape == positions.shape and len(rids) == lengths.numel()):
         raise UserError(f"{folder}: step {step}: input_ids, positions, seq_lens and rids do not fit together")
     row = 0
