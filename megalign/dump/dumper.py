@@ -42,6 +42,8 @@ from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, Tens
                                   write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
 from megalign.dump.layout import Layout
+from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
+                                            output_sharding, without_layout)
 from megalign.dump.meta import dump_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
@@ -140,21 +142,30 @@ class Dumper:
         """Dump the output of every submodule of `module` (kind activation, named by its path, with
         `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
         when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
-        gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
-        rank computes the same outputs). `outputs=False`: the parameters' gradients (and values)
-        only. A megatron-core DDP (or the model it wraps) is read where DDP leaves the gradients.
-        Outputs under megatron-core's TP or CP: NotImplementedError."""
+        gradients (param_grad). `outputs=False`: the parameters' gradients (and values) only.
+
+        A megatron-core model (GPTModel, or the megatron-core DDP wrapping it; its gradients are read
+        where DDP leaves them) needs nothing declared: how each output is split under TP, sequence
+        parallelism, CP and DP is inferred as megalign's own megatron worker infers it
+        (dump/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
+        each forward call (this rank's share of the batch). The CP split is megatron's zigzag (rank r
+        holds chunks r and 2*CP-1-r of every sequence: what megatron.core.utils.get_batch_on_this_cp_rank
+        gives); the SwiGLU MLP's input to linear_fc2 is dumped too, as `...linear_fc2#input`; an
+        MoE layer's router and experts are skipped (no sequence layout).
+
+        Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
+        computes the same outputs); under megatron-core's TP or CP, NotImplementedError (add() each
+        tensor with its megalign.Sharding)."""
         if is_megatron_ddp(module):
             self._ddps.append(module)
             module = module.module  # names as the model's own, without DDP's `module.`
         else:
             self._ddps.extend(filter(None, [find_megatron_ddp(module)]))
-        if outputs and (self.layout.tp > 1 or self.layout.cp > 1):
-            # Outputs split over TP or CP ranks need megatron-core's inference: megalign's worker has it
-            # (stacks/megatron/capture.py, which add()s each output with its Sharding), but dump/ does not
-            # import stacks/. Labelled as replicas they would be put back together wrong.
-            raise NotImplementedError("watch() knows DP splits only; under TP or CP, add() each tensor with "
-                                      "its megalign.Sharding")
+        megatron = is_megatron_model(module)
+        if outputs and not megatron and (self.layout.tp > 1 or self.layout.cp > 1):
+            # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
+            raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
+                                      "add() each tensor with its megalign.Sharding")
 
         def named(path: str) -> str:
             return f"{prefix}.{path}" if prefix and path else prefix or path
@@ -163,9 +174,47 @@ class Dumper:
             self._watched.setdefault(named(path), param)
         if not outputs:
             return
+        layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim)
         for path, sub in module.named_modules():
-            if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
-                self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), batch_dim)))
+            if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
+                continue
+            if megatron and without_layout(path, sub):
+                continue
+            self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
+            if megatron and path.endswith(INPUT_CAPTURED):
+                self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path))))
+
+    def _batch_layout(self, batch_dim: Optional[int]) -> Callable:
+        """Any module's outputs: split over DP ranks on `batch_dim`, else replicas."""
+        def layout_of(path: str) -> Callable:
+            def sharding(sub, tensor: torch.Tensor, is_input: bool = False) -> tuple[Sharding, View]:
+                split = batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1
+                return (Sharding(dp_dim=batch_dim) if split else Sharding()), None
+
+            return sharding
+
+        return layout_of
+
+    def _megatron_layout(self, model: torch.nn.Module) -> Callable:
+        """A megatron-core model's outputs, laid out as megalign's worker infers them; this rank's
+        LocalShape is read from each forward call's input_ids."""
+        local: list[LocalShape] = []
+
+        def learn(root, args, kwargs) -> None:
+            tokens = args[0] if args else kwargs["input_ids"]
+            local[:] = [LocalShape.of_model(model.config, tokens, self.layout.tp)]
+
+        self._hooks.append(model.register_forward_pre_hook(learn, with_kwargs=True))
+
+        def layout_of(path: str) -> Callable:
+            def sharding(sub, tensor: torch.Tensor, is_input: bool = False) -> tuple[Sharding, View]:
+                if is_input:
+                    return input_sharding(tensor, local[0]), None
+                return output_sharding(sub, path, tensor, local[0])
+
+            return sharding
+
+        return layout_of
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -251,24 +300,32 @@ class Dumper:
         else:
             self.abort()
 
-    def _output_hook(self, name: str, batch_dim: Optional[int]) -> Callable:
+    def _output_hook(self, name: str, sharding: Callable) -> Callable:
         def record(module, inputs, output):
             if not self._writing:
                 return
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for index, tensor in enumerate(outputs):
                 if isinstance(tensor, torch.Tensor):
-                    self._record(name if index == 0 else f"{name}#{index}", name, tensor, batch_dim)
+                    self._record(name if index == 0 else f"{name}#{index}", name, tensor, *sharding(module, tensor))
 
         return record
 
-    def _record(self, key: str, module: str, tensor: torch.Tensor, batch_dim: Optional[int]) -> None:
-        split = batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1
-        sharding = Sharding(dp_dim=batch_dim) if split else Sharding()
-        self.add("activation", key, tensor, sharding, module=module)
+    def _input_hook(self, name: str, sharding: Callable) -> Callable:
+        def record(module, inputs):
+            if self._writing:
+                self._record(f"{name}#input", name, inputs[0], *sharding(module, inputs[0], is_input=True))
+
+        return record
+
+    def _record(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View) -> None:
+        """Dump `tensor` (through `view`, if any) now, and its gradient when backward reaches it."""
+        view = view or (lambda t: t)
+        self.add("activation", key, view(tensor), sharding, module=module)
         if tensor.requires_grad:
-            def on_grad(grad: torch.Tensor) -> None:
-                self.add("activation_grad", key, grad, sharding, module=module)
+            def on_grad(grad: Optional[torch.Tensor]) -> None:
+                if grad is not None:
+                    self.add("activation_grad", key, view(grad), sharding, module=module)
 
             tensor.register_hook(on_grad)
 
