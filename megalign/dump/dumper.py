@@ -137,6 +137,22 @@ class Dumper:
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable)
 
+    def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
+                   module: Optional[str] = None, grad: bool = True) -> None:
+        """add() a module's output `tensor` (through `view`, if any) as (kind, name) and, with `grad`,
+        its gradient as activation_grad when backward reaches it. A leaf, a parameter the module
+        returns as it is (megatron's linears return their skipped bias so), gets no gradient: that
+        is the parameter's, summed over this rank's tokens only, whole in param_grad."""
+        view = view or (lambda t: t)
+        if self.wants(kind, name):
+            self.add(kind, name, view(tensor), sharding, module=module)
+        if grad and tensor.requires_grad and not tensor.is_leaf and self.wants("activation_grad", name):
+            def on_grad(gradient: Optional[torch.Tensor]) -> None:
+                if gradient is not None:
+                    self.add("activation_grad", name, view(gradient), sharding, module=module)
+
+            tensor.register_hook(on_grad)
+
     def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0,
               outputs: bool = True) -> None:
         """Dump the output of every submodule of `module` (kind activation, named by its path, with
@@ -148,10 +164,11 @@ class Dumper:
         where DDP leaves them) needs nothing declared: how each output is split under TP, sequence
         parallelism, CP and DP is inferred as megalign's own megatron worker infers it
         (dump/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
-        each forward call (this rank's share of the batch). The CP split is megatron's zigzag (rank r
-        holds chunks r and 2*CP-1-r of every sequence: what megatron.core.utils.get_batch_on_this_cp_rank
-        gives); the SwiGLU MLP's input to linear_fc2 is dumped too, as `...linear_fc2#input`; an
-        MoE layer's router and experts are skipped (no sequence layout).
+        each forward call (this rank's share of the batch). The CP split read is megatron's zigzag
+        (rank r holds chunks r and 2*CP-1-r of every sequence, as megatron.core.utils.
+        get_batch_on_this_cp_rank gives them); another split, packed (THD) rows or PP stages:
+        NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
+        `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
         computes the same outputs); under megatron-core's TP or CP, NotImplementedError (add() each
@@ -166,6 +183,8 @@ class Dumper:
             # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
             raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
                                       "add() each tensor with its megalign.Sharding")
+        if outputs and self.layout.pp > 1:  # every stage counts its layers from 0: names would collide
+            raise NotImplementedError("watch() of a model split over PP stages: add() each output")
 
         def named(path: str) -> str:
             return f"{prefix}.{path}" if prefix and path else prefix or path
@@ -182,12 +201,12 @@ class Dumper:
                 continue
             self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
             if megatron and path.endswith(INPUT_CAPTURED):
-                self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path))))
+                self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path, True))))
 
     def _batch_layout(self, batch_dim: Optional[int]) -> Callable:
         """Any module's outputs: split over DP ranks on `batch_dim`, else replicas."""
-        def layout_of(path: str) -> Callable:
-            def sharding(sub, tensor: torch.Tensor, is_input: bool = False) -> tuple[Sharding, View]:
+        def layout_of(path: str, of_input: bool = False) -> Callable:
+            def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
                 split = batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1
                 return (Sharding(dp_dim=batch_dim) if split else Sharding()), None
 
@@ -201,14 +220,17 @@ class Dumper:
         local: list[LocalShape] = []
 
         def learn(root, args, kwargs) -> None:
+            if kwargs.get("packed_seq_params") is not None:
+                raise NotImplementedError("watch() of packed (THD) rows: add() each output with its Sharding")
             tokens = args[0] if args else kwargs["input_ids"]
             local[:] = [LocalShape.of_model(model.config, tokens, self.layout.tp)]
 
         self._hooks.append(model.register_forward_pre_hook(learn, with_kwargs=True))
 
-        def layout_of(path: str) -> Callable:
-            def sharding(sub, tensor: torch.Tensor, is_input: bool = False) -> tuple[Sharding, View]:
-                if is_input:
+        def layout_of(path: str, of_input: bool = False) -> Callable:
+            """How the outputs (or, `of_input`, the first input) of the module at `path` lie."""
+            def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
+                if of_input:
                     return input_sharding(tensor, local[0]), None
                 return output_sharding(sub, path, tensor, local[0])
 
@@ -307,27 +329,19 @@ class Dumper:
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for index, tensor in enumerate(outputs):
                 if isinstance(tensor, torch.Tensor):
-                    self._record(name if index == 0 else f"{name}#{index}", name, tensor, *sharding(module, tensor))
+                    key = name if index == 0 else f"{name}#{index}"
+                    layout, view = sharding(module, tensor)
+                    self.add_output("activation", key, tensor, layout, view=view, module=name)
 
         return record
 
     def _input_hook(self, name: str, sharding: Callable) -> Callable:
         def record(module, inputs):
             if self._writing:
-                self._record(f"{name}#input", name, inputs[0], *sharding(module, inputs[0], is_input=True))
+                layout, view = sharding(module, inputs[0])
+                self.add_output("activation", f"{name}#input", inputs[0], layout, view=view, module=name)
 
         return record
-
-    def _record(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View) -> None:
-        """Dump `tensor` (through `view`, if any) now, and its gradient when backward reaches it."""
-        view = view or (lambda t: t)
-        self.add("activation", key, view(tensor), sharding, module=module)
-        if tensor.requires_grad:
-            def on_grad(grad: Optional[torch.Tensor]) -> None:
-                if grad is not None:
-                    self.add("activation_grad", key, view(grad), sharding, module=module)
-
-            tensor.register_hook(on_grad)
 
     def _unhook(self) -> None:
         for handle in self._hooks:

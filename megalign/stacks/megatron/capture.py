@@ -111,16 +111,7 @@ class ActivationCapture:
 
     def _record(self, kind: str, key: str, name: str, tensor: torch.Tensor, sharding: Sharding,
                 view: View = None) -> None:
-        """Dump `tensor` (through `view`, if any) now and its gradient when backward reaches it."""
-        view = view or (lambda t: t)
-        if self.dumper.wants(kind, key):
-            self.dumper.add(kind, key, view(tensor), sharding, module=name)
-        if self.grads and tensor.requires_grad and self.dumper.wants("activation_grad", key):
-            def on_grad(grad: Optional[torch.Tensor]):
-                if grad is not None:
-                    self.dumper.add("activation_grad", key, view(grad), sharding, module=name)
-
-            tensor.register_hook(on_grad)
+        self.dumper.add_output(kind, key, tensor, sharding, view=view, module=name, grad=self.grads)
 
     def remove(self) -> None:
         for handle in self.handles:
