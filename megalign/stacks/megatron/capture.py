@@ -1,6 +1,6 @@
-"""Forward hooks that dump every module's output, and tensor hooks that dump its gradient, each
-through megalign.Dumper's `add` with the sharding that dump/megatron_outputs.py infers (the same
-rules as `Dumper.watch` on a user's megatron-core model). What only megalign's runs add: global
+"""Forward hooks that dump every module's output and its gradient, through megalign.Dumper's
+`add_output` with the sharding that dump/megatron_outputs.py infers (the same rules, and the same
+recording, as `Dumper.watch` on a user's megatron-core model). What only megalign's runs add: global
 names under PP and EP, the logits as their own kind, and the MoE routers' decisions (kind routing).
 """
 
