@@ -166,8 +166,8 @@ class Dumper:
         (dump/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
         each forward call (this rank's share of the batch). The CP split read is megatron's zigzag
         (rank r holds chunks r and 2*CP-1-r of every sequence, as megatron.core.utils.
-        get_batch_on_this_cp_rank gives them); another split, packed (THD) rows or PP stages:
-        NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
+        get_batch_on_this_cp_rank gives them; another split would read as a divergence); packed (THD)
+        rows or PP stages: NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
         `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
@@ -379,6 +379,9 @@ class NullDumper:
         return False
 
     def add(self, *args, **kwargs) -> None:
+        return None
+
+    def add_output(self, *args, **kwargs) -> None:
         return None
 
     def watch(self, *args, **kwargs) -> None:
