@@ -4,8 +4,8 @@ After `finalize_model_grads`, `.grad` is None and each `param.main_grad` is a vi
 `grad_data`. With the distributed optimizer only this rank's 1/(DP*CP) shard of each bucket holds
 reduced values; the rest holds the rank's own unreduced gradient. The full gradient is each
 rank's shard, all-gathered into a fresh tensor (never into `grad_data`: the user's code after the
-step, clipping included, must see the buffer as DDP left it). Duck-typed on the attributes that
-megalign's worker depends on too (stacks/megatron/grads.py), so that dump/ imports no megatron.
+step, clipping included, must see the buffer as DDP left it). megalign's megatron worker reads
+its gradients here too (stacks/megatron/grads.py). Duck-typed, so that dump/ imports no megatron.
 """
 
 from __future__ import annotations
@@ -35,16 +35,27 @@ def sharded(ddp: torch.nn.Module) -> bool:
     return bool(ddp.ddp_config.use_distributed_optimizer)
 
 
-def gathered_grads(ddp: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """(param, full reduced gradient) for every parameter of a sharded DDP, one bucket at a time
-    (the gathered bucket is the only extra memory). Every rank of the DP*CP group must call it."""
+def _shards(ddp: torch.nn.Module) -> Iterator[tuple[object, object, slice]]:
+    """(bucket, its distributed-optimizer group, this rank's shard of its grad_data) of every bucket."""
     for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
         ranks = group.intra_distributed_optimizer_instance_group
         for bucket in group.buckets:
-            data = bucket.grad_data
-            size = data.numel() // ranks.size()  # megatron pads buckets to a multiple of the group size
-            full = torch.empty_like(data)
-            mine = data[ranks.rank() * size:(ranks.rank() + 1) * size]
-            dist.all_gather_into_tensor(full, mine.contiguous(), group=ranks)
-            for param, (start, end) in bucket.param_to_index.items():
-                yield param, full[start:end].view(param.shape)
+            size = bucket.grad_data.numel() // ranks.size()  # megatron pads buckets to a multiple of the group size
+            yield bucket, ranks, slice(ranks.rank() * size, (ranks.rank() + 1) * size)
+
+
+def gathered_grads(ddp: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(param, full reduced gradient) for every parameter of a sharded DDP, one bucket at a time
+    (the gathered bucket is the only extra memory). Every rank of the DP*CP group must call it."""
+    for bucket, ranks, mine in _shards(ddp):
+        full = torch.empty_like(bucket.grad_data)
+        dist.all_gather_into_tensor(full, bucket.grad_data[mine].contiguous(), group=ranks)
+        for param, (start, end) in bucket.param_to_index.items():
+            yield param, full[start:end].view(param.shape)
+
+
+def shard_grads(ddp: torch.nn.Module) -> dict:
+    """param -> its `main_grad`, for the parameters that lie wholly in this rank's shard of their
+    bucket: what reading the shard alone gives (megalign's `--grad-source shard`, a classic mistake)."""
+    return {param: param.main_grad for bucket, _, mine in _shards(ddp)
+            for param, (start, end) in bucket.param_to_index.items() if mine.start <= start and end <= mine.stop}

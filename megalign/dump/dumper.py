@@ -43,6 +43,8 @@ from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, Tens
                                   write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
 from megalign.dump.layout import Layout
+from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
+                                            output_sharding, without_layout)
 from megalign.dump.meta import dump_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
@@ -142,18 +144,45 @@ class Dumper:
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable)
 
+    def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
+                   module: Optional[str] = None, grad: bool = True) -> None:
+        """add() a module's output `tensor` (through `view`, if any) as (kind, name) and, with `grad`,
+        its gradient as activation_grad when backward reaches it. A leaf, a parameter the module
+        returns as it is (megatron's linears return their skipped bias so), gets no gradient: that
+        is the parameter's, summed over this rank's tokens only, whole in param_grad."""
+        view = view or (lambda t: t)
+        if self.wants(kind, name):
+            self.add(kind, name, view(tensor), sharding, module=module)
+        if grad and tensor.requires_grad and not tensor.is_leaf and self.wants("activation_grad", name):
+            def on_grad(gradient: Optional[torch.Tensor]) -> None:
+                if gradient is not None:
+                    self.add("activation_grad", name, view(gradient), sharding, module=module)
+
+            tensor.register_hook(on_grad)
+
     def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0,
               outputs: bool = True) -> None:
         """Dump the output of every submodule of `module` (kind activation, named by its path, with
         `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
         when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
-        gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
-        rank computes the same outputs); an output is split only where it has as many rows there as
-        the first tensor `module` was called with (the rest, rotary tables, are replicas).
-        `outputs=False`: the parameters' gradients (and values) only. A megatron-core DDP (or the
-        model it wraps) is read where DDP leaves the gradients; torch's DDP is unwrapped (names as
-        the model's own); FSDP2 and tensor parallel's DTensors are placed by their placements.
-        Outputs under megatron-core's TP or CP: NotImplementedError."""
+        gradients (param_grad). `outputs=False`: the parameters' gradients (and values) only.
+
+        A megatron-core model (GPTModel, or the megatron-core DDP wrapping it; its gradients are read
+        where DDP leaves them) needs nothing declared: how each output is split under TP, sequence
+        parallelism, CP and DP is inferred as megalign's own megatron worker infers it
+        (dump/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
+        each forward call (this rank's share of the batch). The CP split read is megatron's zigzag
+        (rank r holds chunks r and 2*CP-1-r of every sequence, as megatron.core.utils.
+        get_batch_on_this_cp_rank gives them; another split would read as a divergence); packed (THD)
+        rows or PP stages: NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
+        `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
+
+        Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
+        computes the same outputs); an output is split only where it has as many rows there as the
+        first tensor `module` was called with (the rest, rotary tables, are replicas). torch's DDP is
+        unwrapped (names as the model's own); FSDP2 and tensor parallel's DTensors are placed by their
+        placements. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
+        megalign.Sharding)."""
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             module = module.module  # plain .grad, all-reduced: replicas over the DP group
         if is_megatron_ddp(module):
@@ -161,12 +190,13 @@ class Dumper:
             module = module.module  # names as the model's own, without DDP's `module.`
         else:
             self._ddps.extend(filter(None, [find_megatron_ddp(module)]))
-        if outputs and (self.layout.tp > 1 or self.layout.cp > 1):
-            # Outputs split over TP or CP ranks need megatron-core's inference: megalign's worker has it
-            # (stacks/megatron/capture.py, which add()s each output with its Sharding), but dump/ does not
-            # import stacks/. Labelled as replicas they would be put back together wrong.
-            raise NotImplementedError("watch() knows DP splits only; under TP or CP, add() each tensor with "
-                                      "its megalign.Sharding")
+        megatron = is_megatron_model(module)
+        if outputs and not megatron and (self.layout.tp > 1 or self.layout.cp > 1):
+            # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
+            raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
+                                      "add() each tensor with its megalign.Sharding")
+        if outputs and self.layout.pp > 1:  # every stage counts its layers from 0: names would collide
+            raise NotImplementedError("watch() of a model split over PP stages: add() each output")
 
         def named(path: str) -> str:
             return f"{prefix}.{path}" if prefix and path else prefix or path
@@ -175,11 +205,53 @@ class Dumper:
             self._watched.setdefault(named(path), param)
         if not outputs:
             return
-        if self.layout.dp > 1 and batch_dim is not None:  # only a DP split needs the batch's rows
+        if not megatron and self.layout.dp > 1 and batch_dim is not None:  # only a DP split needs the batch's rows
             self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim), with_kwargs=True))
+        layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim)
         for path, sub in module.named_modules():
-            if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
-                self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), batch_dim)))
+            if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
+                continue
+            if megatron and without_layout(path, sub):
+                continue
+            self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
+            if megatron and path.endswith(INPUT_CAPTURED):
+                self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path, True))))
+
+    def _batch_layout(self, batch_dim: Optional[int]) -> Callable:
+        """Any module's outputs: split over DP ranks on `batch_dim`, else replicas."""
+        def layout_of(path: str, of_input: bool = False) -> Callable:
+            def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
+                split = (batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1
+                         and not is_dtensor(tensor) and self._batch in (None, tensor.shape[batch_dim]))
+                return (Sharding(dp_dim=batch_dim) if split else Sharding()), None
+
+            return sharding
+
+        return layout_of
+
+    def _megatron_layout(self, model: torch.nn.Module) -> Callable:
+        """A megatron-core model's outputs, laid out as megalign's worker infers them; this rank's
+        LocalShape is read from each forward call's input_ids."""
+        local: list[LocalShape] = []
+
+        def learn(root, args, kwargs) -> None:
+            if kwargs.get("packed_seq_params") is not None:
+                raise NotImplementedError("watch() of packed (THD) rows: add() each output with its Sharding")
+            tokens = args[0] if args else kwargs["input_ids"]
+            local[:] = [LocalShape.of_model(model.config, tokens, self.layout.tp)]
+
+        self._hooks.append(model.register_forward_pre_hook(learn, with_kwargs=True))
+
+        def layout_of(path: str, of_input: bool = False) -> Callable:
+            """How the outputs (or, `of_input`, the first input) of the module at `path` lie."""
+            def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
+                if of_input:
+                    return input_sharding(tensor, local[0]), None
+                return output_sharding(sub, path, tensor, local[0])
+
+            return sharding
+
+        return layout_of
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -266,14 +338,16 @@ class Dumper:
         else:
             self.abort()
 
-    def _output_hook(self, name: str, batch_dim: Optional[int]) -> Callable:
+    def _output_hook(self, name: str, sharding: Callable) -> Callable:
         def record(module, inputs, output):
             if not self._writing:
                 return
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for index, tensor in enumerate(outputs):
                 if isinstance(tensor, torch.Tensor):
-                    self._record(name if index == 0 else f"{name}#{index}", name, tensor, batch_dim)
+                    key = name if index == 0 else f"{name}#{index}"
+                    layout, view = sharding(module, tensor)
+                    self.add_output("activation", key, tensor, layout, view=view, module=name)
 
         return record
 
@@ -286,16 +360,13 @@ class Dumper:
 
         return read
 
-    def _record(self, key: str, module: str, tensor: torch.Tensor, batch_dim: Optional[int]) -> None:
-        split = (batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1 and not is_dtensor(tensor)
-                 and self._batch in (None, tensor.shape[batch_dim]))
-        sharding = Sharding(dp_dim=batch_dim) if split else Sharding()
-        self.add("activation", key, tensor, sharding, module=module)
-        if tensor.requires_grad:
-            def on_grad(grad: torch.Tensor) -> None:
-                self.add("activation_grad", key, grad, sharding, module=module)
+    def _input_hook(self, name: str, sharding: Callable) -> Callable:
+        def record(module, inputs):
+            if self._writing:
+                layout, view = sharding(module, inputs[0])
+                self.add_output("activation", f"{name}#input", inputs[0], layout, view=view, module=name)
 
-            tensor.register_hook(on_grad)
+        return record
 
     def _unhook(self) -> None:
         for handle in self._hooks:
@@ -333,6 +404,9 @@ class NullDumper:
         return False
 
     def add(self, *args, **kwargs) -> None:
+        return None
+
+    def add_output(self, *args, **kwargs) -> None:
         return None
 
     def watch(self, *args, **kwargs) -> None:

@@ -5,8 +5,12 @@
     megalign compare dumps/cp1 dumps/cp2
 
 Its own GPTModel, DDP with the distributed optimizer, Adam, its own loss, three steps; steps 1 and 2
-are dumped (parameter gradients, parameters, logits and the loss). `--bug local-tokens` plants the
-classic CP bug: each rank's loss divided by its own token count.
+are dumped (every module's output and its gradient, parameter gradients, parameters, logits and the
+loss), with nothing declared but the logits' sharding. `--tp 2 --sp`: tensor and sequence
+parallelism. `--clip MAX`: the script's own gradient clipping by the global norm, in place of the
+optimizer's (with plain DDP: the clip reads every main_grad whole). Planted bugs: `--bug
+local-tokens`, the classic CP bug (each rank's loss divided by its own token count); `--bug
+local-clip`, the clip's norm computed on the rank's own shard only.
 """
 
 import argparse
@@ -26,32 +30,42 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
 import megalign
 from megalign.stacks.megatron.cp_attention import ZigzagCPAttention  # on a GPU: TE's attention spec
+from megalign.stacks.megatron.norm import SequenceParallelNorm  # on a GPU: TE's norm, which marks its weights for SP
 
 parser = argparse.ArgumentParser()
+parser.add_argument("--tp", type=int, default=1)
+parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
-parser.add_argument("--bug", choices=["local-tokens"])
+parser.add_argument("--clip", type=float)
+parser.add_argument("--bug", choices=["local-tokens", "local-clip"])
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
-parallel_state.initialize_model_parallel(context_parallel_size=args.cp)
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=args.cp)
 torch.manual_seed(1234)
 tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
-VOCAB, SEQ, BATCH = 64, 16, 2
-config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+VOCAB, SEQ, BATCH, LAYERS = 64, 16, 2, 2
+config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
+                           tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
                            context_parallel_size=args.cp, use_cpu_initialization=True,
                            hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
                            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
                            bias_dropout_fusion=False, gradient_accumulation_fusion=False)
-spec = get_gpt_layer_local_spec()
-spec.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
+layer = get_gpt_layer_local_spec()
+layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
+layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+spec = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=SequenceParallelNorm)
 model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                  position_embedding_type="rope")
-ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
-optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0,
-                                                   use_distributed_optimizer=True), [ddp])
+sharded = args.clip is None  # the distributed optimizer, unless this script clips main_grad itself
+ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=sharded), model)
+optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0 if sharded else 0.0,
+                                                   use_distributed_optimizer=sharded), [ddp])
 
 dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
 dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -70,24 +84,42 @@ def batch(step):
     return get_batch_on_this_cp_rank(whole, is_hybrid_cp=False, cp_group=cp_group), loss_mask.sum()
 
 
+def clip_gradients(max_norm):
+    """Scale the gradients so that their global norm is at most max_norm. A TP-split parameter's
+    gradient is split over the TP ranks; a replicated one counts once (TP rank 0's)."""
+    first = parallel_state.get_tensor_model_parallel_rank() == 0
+    squares = torch.zeros(())
+    for param in model.parameters():
+        if args.bug == "local-clip" or first or getattr(param, "tensor_model_parallel", False):
+            squares += param.main_grad.square().sum()
+    if args.bug != "local-clip":
+        dist.all_reduce(squares, group=parallel_state.get_tensor_model_parallel_group())
+    scale = max_norm / (squares.sqrt() + 1e-6)
+    if scale < 1:
+        for param in model.parameters():
+            param.main_grad.mul_(scale)
+
+
 dumper = megalign.Dumper.from_env(steps=[1, 2], params=True)
-dumper.watch(ddp, outputs=False)  # parameter gradients where DDP leaves them, and the parameters
+dumper.watch(ddp)  # every module's output and its gradient; parameter gradients where DDP leaves them
 for step in range(3):
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     mine, total_tokens = batch(step)
     with dumper.step(step):
-        logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None)  # [b, s, vocab]
-        dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1))
-        per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), mine["labels"], reduction="none")
+        logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None)  # [b, s, vocab/tp]
+        dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
+        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
         summed = (per_token * mine["loss_mask"]).sum()
         count = mine["loss_mask"].sum() if args.bug == "local-tokens" else total_tokens
-        loss = summed / count * dist.get_world_size(dp_cp)  # DDP averages the gradients over DP x CP
+        loss = summed / count  # DDP sums the gradients over DP x CP (calculate_per_token_loss: no averaging)
         loss.backward()
         finalize_model_grads([ddp])
-        reported = loss.detach() / dist.get_world_size(dp_cp)
+        reported = loss.detach()
         dist.all_reduce(reported, group=dp_cp)
         dumper.add("loss", "loss", reported)
+    if args.clip is not None:
+        clip_gradients(args.clip)
     optimizer.step()
 dumper.close()
 dist.destroy_process_group()

@@ -1,7 +1,9 @@
 """A user's megatron-core training loop (megatron_train.py: its own GPTModel, DDP with the
-distributed optimizer, Adam, its own loss, three steps) dumped with `megalign.Dumper.from_env()`
-under torchrun on gloo, compared with the CLI: CP=2 agrees with CP=1 at every dumped step, and the
-classic CP bug (each rank's loss divided by its own token count) is caught at its first tensor.
+distributed optimizer, Adam, its own loss, three steps) dumped with `megalign.Dumper.from_env()` and
+`watch(model)` under torchrun on gloo, compared with the CLI: CP=2 agrees with CP=1, and TP=2 with
+sequence parallelism with TP=1, at every dumped step, activations included, with nothing declared;
+the classic CP bug (each rank's loss divided by its own token count) is caught at its first tensor,
+and a gradient clip whose norm is computed on the rank's own TP shard at the next step's parameters.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def test_cp2_equals_cp1_at_every_dumped_step(dumps):
         assert f"param       step{step}/output_layer.weight" in result.output
         assert f"param_grad  step{step}/output_layer.weight" in result.output
         assert f"loss        step{step}/loss" in result.output
-    assert "116 compared, 116 passed, 0 failed\n" in result.output
+    assert "198 compared, 198 passed, 0 failed\n" in result.output
 
 
 def test_a_loss_divided_by_the_ranks_own_token_count_is_caught_at_the_loss(dumps):
@@ -46,3 +48,40 @@ def test_a_loss_divided_by_the_ranks_own_token_count_is_caught_at_the_loss(dumps
     result = invoke("compare", dumps["cp1_early"], dumps["cp2_bug"])
     assert result.exit_code == 1, result.output
     assert "first divergence: loss step0/loss\n" in result.output
+
+
+CLIP = ("--clip", "1.5")  # the script's own clip: at both dumped steps some of the norms it sees exceed it
+
+
+@pytest.fixture(scope="module")
+def tp_dumps(tmp_path_factory) -> dict[str, Path]:
+    """Steps 1 and 2 at TP=1 (DP=2), at TP=2 with sequence parallelism, and at TP=2+SP with the clip's
+    norm computed on each rank's own shard. Three torchruns at once."""
+    root = tmp_path_factory.mktemp("trainer_tp")
+    made = {name: root / name for name in ("tp1", "tp2_sp", "tp2_sp_local_clip")}
+    finish(start(made["tp1"], "--tp", "1", *CLIP), start(made["tp2_sp"], "--tp", "2", "--sp", *CLIP),
+           start(made["tp2_sp_local_clip"], "--tp", "2", "--sp", *CLIP, "--bug", "local-clip"))
+    return made
+
+
+def test_tp2_with_sequence_parallelism_equals_tp1_activations_included(tp_dumps):
+    tp2 = megalign.open(tp_dumps["tp2_sp"])
+    assert tp2.meta["layout"]["tp"] == 2 and tp2.meta["steps"] == [1, 2]
+    # watch() inferred the SP split of a norm's output and the TP split of a column-parallel linear's
+    shards = tp2.shards("activation", "step1/decoder.layers.0.input_layernorm")
+    assert [s.sharding.sp for s in shards] == [True, True]
+    shards = tp2.shards("activation", "step1/decoder.layers.0.mlp.linear_fc1")
+    assert [s.sharding.tp_dim for s in shards] == [2, 2]
+    result = invoke("compare", tp_dumps["tp1"], tp_dumps["tp2_sp"])
+    assert result.exit_code == 0, result.output
+    for step in (1, 2):
+        assert f"act         step{step}/decoder.layers.1.mlp.linear_fc2#input" in result.output
+        assert f"act_grad    step{step}/embedding.word_embeddings" in result.output
+        assert f"param_grad  step{step}/output_layer.weight" in result.output
+    assert "198 compared, 198 passed, 0 failed\n" in result.output
+
+
+def test_a_clip_by_the_local_shards_norm_is_caught_at_the_next_steps_parameters(tp_dumps):
+    result = invoke("compare", tp_dumps["tp1"], tp_dumps["tp2_sp_local_clip"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param step2/decoder.layers.0.input_layernorm.bias\n" in result.output

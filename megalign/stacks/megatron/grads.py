@@ -6,9 +6,10 @@ for both wrapped and bare models; `--grad-source grad` keeps the classic mistake
 
 With the distributed optimizer, DDP reduce-scatters each gradient bucket over the DP (x CP) ranks:
 each rank holds the reduced values of its shard only, the rest of the buffer its own unreduced
-gradients. The shards are all-gathered back into the buckets, so that every `main_grad` (a view into
-them) holds the full gradient; `--grad-source shard` reads only the rank's own shard, the other
-classic mistake, and coverage then names the parameters that lie outside it.
+gradients. The full gradients are the shards all-gathered, as `Dumper.step` gathers a user's
+(dump/ddp_grads.py: into fresh memory, the buckets left as they are); `--grad-source shard` reads
+only the rank's own shard, the other classic mistake, and coverage then names the parameters that
+lie outside it.
 """
 
 from __future__ import annotations
@@ -16,34 +17,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
 from megalign.dump.coverage import check_coverage, has_gradient, read_grad
+from megalign.dump.ddp_grads import gathered_grads, shard_grads
 from megalign.dump.dumper import Dumper
 from megalign.spec import RunSpec
 from megalign.stacks.megatron.model import global_name, is_duplicate_embedding, param_grad_layout, param_sharding
-
-
-def gather_sharded_grads(ddp) -> None:
-    """All-gather the distributed optimizer's reduced shards into every gradient bucket."""
-    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-        ranks = group.intra_distributed_optimizer_instance_group
-        for bucket in group.buckets:
-            mine = shard_buffer(bucket.grad_data, ranks.size())[ranks.rank()].clone()
-            dist.all_gather_into_tensor(bucket.grad_data, mine, group=ranks)
-
-
-def shard_grads(ddp) -> dict:
-    """param -> its gradient, for the parameters that lie wholly in this rank's shard of their bucket."""
-    held = {}
-    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
-        ranks = group.intra_distributed_optimizer_instance_group
-        for bucket in group.buckets:
-            size = bucket.grad_data.numel() // ranks.size()
-            low, high = ranks.rank() * size, (ranks.rank() + 1) * size
-            held.update({param: param.main_grad for param, (start, end) in bucket.param_to_index.items()
-                         if low <= start and end <= high})
-    return held
 
 
 def _nonzero_in_tp_group(grads: dict) -> list[bool]:
@@ -59,12 +38,9 @@ def _nonzero_in_tp_group(grads: dict) -> list[bool]:
 def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: Dumper, spec: RunSpec) -> dict:
     """Dump every parameter's gradient; raise RunFailed naming the first parameters without one.
     `chunk` is the DDP-wrapped `model`."""
-    held = None
-    if spec.distributed_optimizer:
-        if spec.grad_source == "shard":
-            held = shard_grads(chunk)
-        else:
-            gather_sharded_grads(chunk)
+    held = None  # param -> its gradient, where the distributed optimizer leaves a shard of each bucket
+    if spec.distributed_optimizer and spec.grad_source != "grad":  # `.grad`: None under DDP, the classic mistake
+        held = shard_grads(chunk) if spec.grad_source == "shard" else dict(gathered_grads(chunk))
     params, grads = {}, {}
     for local, param in model.named_parameters():
         name = global_name(model, local)

@@ -46,10 +46,11 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     from megalign.dump.dumper import Dumper
     from megalign.dump.layout import cp_split_bounds, dp_rows
+    from megalign.dump.megatron_outputs import LocalShape
     from megalign.dump.meta import run_meta
     from megalign.dump.sharding import Sharding
     from megalign.stacks.batch import batch_rows, build_batch
-    from megalign.stacks.megatron.capture import ActivationCapture, LocalShape
+    from megalign.stacks.megatron.capture import ActivationCapture
     from megalign.stacks.megatron.grads import collect_param_grads
     from megalign.stacks.megatron.loss import token_loss
     from megalign.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
@@ -109,7 +110,7 @@ def _run(spec: RunSpec, rank: int) -> None:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     if spec.device == "cuda":
         batch = {k: v.cuda() for k, v in batch.items()}
-    local = LocalShape(seq=batch["tokens"].shape[1], batch=batch["tokens"].shape[0], tp=layout.tp, sp=layout.sp)
+    local = LocalShape.of_model(config, batch["tokens"], layout.tp)
 
     if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
         for key, value in batch.items():
