@@ -59,8 +59,9 @@ def tp_dumps(tmp_path_factory) -> dict[str, Path]:
     norm computed on each rank's own shard. Three torchruns at once."""
     root = tmp_path_factory.mktemp("trainer_tp")
     made = {name: root / name for name in ("tp1", "tp2_sp", "tp2_sp_local_clip")}
-    finish(start(made["tp1"], "--tp", "1", *CLIP), start(made["tp2_sp"], "--tp", "2", "--sp", *CLIP),
-           start(made["tp2_sp_local_clip"], "--tp", "2", "--sp", *CLIP, "--bug", "local-clip"))
+    finish(start(made["tp1"], "--tp", "1", *CLIP, script=SCRIPT),
+           start(made["tp2_sp"], "--tp", "2", "--sp", *CLIP, script=SCRIPT),
+           start(made["tp2_sp_local_clip"], "--tp", "2", "--sp", *CLIP, "--bug", "local-clip", script=SCRIPT))
     return made
 
 
