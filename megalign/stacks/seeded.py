@@ -6,7 +6,8 @@ chunk i is drawn by a generator seeded from (seed, name, i). So every layout hol
 overlaps: its own rows for a split of dim 0, every chunk for a split of the last dim whose rows are
 shorter than a chunk. A chunk is always drawn whole, since torch's sampler fills in blocks of 16
 and a chunk's numbers depend on its length. Chunks are drawn on threads (each on its own generator:
-the numbers do not depend on the thread), as many as this rank's share of the cores.
+the numbers do not depend on the thread), as many as this rank's share of the cores, always on the
+CPU, so that a GPU run holds the same weights as a CPU run.
 """
 
 from __future__ import annotations
@@ -26,12 +27,18 @@ def seeded_weights(seed: int, std: float, chunk: int = CHUNK) -> WeightSource:
     """N(0, std) for matrices and biases, N(1, std) for norm scales."""
     def shard_of(name: str, shard: Shard) -> torch.Tensor:
         mean = 1.0 if _is_norm_scale(name) else 0.0
-        full = torch.empty(shard.shape).flatten()  # untouched pages (chunks not drawn) are never allocated
+        # A whole tensor is drawn chunk by chunk into the parameter's device, each chunk's copy there
+        # overlapping the others' drawing. A shard is cut from a full tensor in host memory, whose
+        # untouched pages (the chunks not drawn) are never allocated.
+        full = torch.empty(shard.shape, device=shard.device if shard.whole else "cpu").flatten()
         starts, length = shard.runs()
 
         def draw(index: int) -> None:
             generator = torch.Generator().manual_seed(_chunk_seed(seed, name, index))
-            full[index * chunk:(index + 1) * chunk].normal_(mean, std, generator=generator)
+            piece = full[index * chunk:(index + 1) * chunk]
+            drawn = piece if piece.device.type == "cpu" else torch.empty(piece.shape)
+            drawn.normal_(mean, std, generator=generator)
+            piece.copy_(drawn)
 
         chunks = _chunks_read(starts, length, chunk, full.numel())
         with ThreadPoolExecutor(min(_threads(), max(1, len(chunks)))) as pool:

@@ -24,18 +24,20 @@ class Shard:
     tp_rank: int = 0
     tp_size: int = 1
     dtype: torch.dtype = torch.float32  # the parameter's
+    device: torch.device = torch.device("cpu")  # the parameter's
 
     @property
     def whole(self) -> bool:
         return self.sharding.tp_dim is None or self.tp_size == 1
 
     def of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full tensor, in the parameter's dtype."""
+        """This rank's slice of a full tensor, in the parameter's dtype and on its device."""
         if self.whole:
-            return full.to(self.dtype)
+            return full.to(self.device, self.dtype)
         dim = self.sharding.tp_dim
         parts = full.chunk(self.sharding.tp_parts, dim=dim)
-        return torch.cat([p.chunk(self.tp_size, dim=dim)[self.tp_rank] for p in parts], dim=dim).to(self.dtype)
+        mine = torch.cat([p.chunk(self.tp_size, dim=dim)[self.tp_rank] for p in parts], dim=dim)
+        return mine.to(self.device, self.dtype)
 
     def runs(self) -> tuple[torch.Tensor, int]:
         """(starts, length): the shard is read from the flattened full tensor's [start, start + length)."""

@@ -211,7 +211,7 @@ def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSour
             shape = list(param.shape)
             if sharding.tp_dim is not None:
                 shape[sharding.tp_dim] *= tp_size
-            param.copy_(weights(name, Shard(tuple(shape), sharding, tp_rank, tp_size, param.dtype)))
+            param.copy_(weights(name, Shard(tuple(shape), sharding, tp_rank, tp_size, param.dtype, param.device)))
 
 
 def _is_expert(param: torch.nn.Parameter) -> bool:
