@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
