@@ -14,11 +14,12 @@ from rich.markup import escape
 from megalign.compare.explain import explain
 from megalign.compare.metrics import TensorMetrics
 from megalign.compare.outputs import check_outputs, write_replacing
+from megalign.compare.rollout_findings import find, write_worst
 from megalign.compare.rollout_pair import open_pair
 from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
 from megalign.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
-                                                SKIPPED, Report, Row, compare_sources)
+                                                SKIPPED, UNVERIFIABLE, Report, Row, compare_sources)
 from megalign.dump.format import Kind
 from megalign.errors import UserError
 from megalign.cli.rollout import print_rollout
@@ -27,7 +28,8 @@ from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural
                                  use_color)
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
-                 NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta", APART: "yellow"}
+                 NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta", APART: "yellow",
+                 UNVERIFIABLE: "yellow"}
 
 
 # The options that judge and print a comparison, shared by `compare` and `check`.
@@ -79,6 +81,7 @@ class Judging:
     plot: Optional[Path] = None
     workers: Optional[int] = None
     fmt: str = "auto"
+    export_worst: Optional[tuple[int, Path]] = None  # compare with a rollout file: N, FILE
 
 
 def compare(
@@ -105,6 +108,10 @@ def compare(
     workers: Workers = None,
     fmt: Format = "auto",
     no_color: NoColor = False,
+    export_worst: Optional[tuple[int, Path]] = typer.Option(
+        None, "--export-worst", metavar="N FILE",
+        help="With a rollout file: also write its N worst sequences (by k3 KL and by max |Δlogprob|) as a tokens "
+             "file that megalign forward --tokens FILE runs, for a repro. Default: none."),
     explain: Optional[str] = typer.Option(
         None, "--explain", metavar="NAME",
         help="Compare nothing: print how the tensor NAME is put back together in each input (A, B if given, R), "
@@ -122,13 +129,16 @@ def compare(
         fail("compare needs two inputs, A and B (only --explain NAME reads one)", 2)
     judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
                       allow_missing=allow_missing, strict_nonfinite=strict_nonfinite, json_out=json_out, plot=plot,
-                      workers=workers, fmt=fmt)
+                      workers=workers, fmt=fmt, export_worst=export_worst)
     raise typer.Exit(run_compare(a, b, reference, judging))
 
 
 def check_judging(judging: Judging, inputs: list[Path]) -> Thresholds:
     """The bad input a comparison can be refused for before anything is read or run."""
-    check_outputs({"--json": judging.json_out, "--plot": judging.plot}, inputs)
+    worst_n, worst_file = judging.export_worst or (None, None)
+    if worst_n is not None and worst_n < 1:
+        raise UserError(f"--export-worst {worst_n}: N must be at least 1")
+    check_outputs({"--json": judging.json_out, "--plot": judging.plot, "--export-worst": worst_file}, inputs)
     return Thresholds.from_cli(judging.threshold, judging.tolerance)
 
 
@@ -137,12 +147,16 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     try:
         thresholds = check_judging(judging, [a, b] + ([reference] if reference else []))
         pair = open_pair(a, b)  # a rollout file and a dump of its tokens, laid out alike
+        if judging.export_worst and pair is None:
+            raise UserError("--export-worst writes a rollout file's worst sequences: neither A nor B is a rollout "
+                            "file (.json, .jsonl)")
         source_a, source_b = pair.sources() if pair else (open_source(a), open_source(b))
         reference_dump = open_source(reference) if reference else None
         source_r = pair.view(reference_dump) if pair and reference_dump else reference_dump
         report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
                                  allow_skipped=judging.allow_skipped, reference=source_r,
                                  allow_missing=judging.allow_missing, strict_nonfinite=judging.strict_nonfinite)
+        findings = find(pair, report, reference_dump) if pair else None
     except UserError as e:
         fail(str(e), e.exit_code)
     with reader_may_leave():
@@ -156,17 +170,20 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
                     resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
         console.print()
         _print_summary(report, judging)
-        if pair:
-            print_rollout(pair, report, judging.fmt, reference_dump)
+        if findings:
+            print_rollout(findings, judging.fmt)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     if judging.json_out is not None:
         from megalign.compare.report import write_jsonl
 
-        _write_report(judging.json_out, lambda tmp: write_jsonl(report, tmp))
+        _write_report(judging.json_out, lambda tmp: write_jsonl(report, tmp, findings))
     if judging.plot is not None:
         from megalign.compare.plot import plot_divergence
 
         _write_report(judging.plot, lambda tmp: plot_divergence(report, tmp))
+    if judging.export_worst is not None and findings is not None:
+        n, path = judging.export_worst
+        _write_report(path, lambda tmp: write_worst(tmp, pair, findings, n))
     return 0 if report.summary.ok else 1
 
 
@@ -280,6 +297,10 @@ def _print_summary(report: Report, judging: Judging) -> None:
     if s.skipped:
         parts.append(f"[magenta]{s.skipped} skipped[/] (not reassemblable, allowed by --allow-skipped "
                      f"{escape(repr(judging.allow_skipped))})")
+    if s.unverifiable:
+        names = ", ".join(f"{row.kind} {row.name}" for row in report.rows if row.status == UNVERIFIABLE)
+        parts.append(f"[yellow]{s.unverifiable} unverifiable[/] ({escape(names)}: what the values stand for is not "
+                     "recorded; no divergence)")
     if s.apart:
         parts.append(f"[yellow]{s.apart} not lined up[/] (positions, not tokens, in differently packed batches)")
     console.print(", ".join(parts), highlight=False, soft_wrap=True)

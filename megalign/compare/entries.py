@@ -44,6 +44,9 @@ class Value:
     stats: Optional[TensorStats] = None
     replicas: list[ReplicaGap] = field(default_factory=list)  # copies that should be equal and were read
     problem: Optional[str] = None  # set when the shards cannot be put back together
+    # Set when the values are there but what they stand for is not recorded (per-rank parts of a
+    # loss, reduced in a way the dump does not say): nothing to verify them against, and no divergence.
+    unverifiable: Optional[str] = None
 
     def add_replicas(self, window: "Value") -> None:
         """Merge the replica gaps of a window of rows into the whole's (verdict._streamed)."""

@@ -9,10 +9,14 @@ axis a tensor is not split on (no tp_dim, no sequence dim under CP, no dp_dim), 
 replicas: the first is placed, the others are checked against it, by the content hash the run
 recorded for each (read only when the hashes differ, or a dump has none).
 Under PP a name lives on one stage, whose ranks are exactly the shards given.
+A DTensor's pieces (sharding.mesh) are placed at the offsets they recorded instead, uneven ones too:
+ranks of one offset that differ only on Partial mesh dims are summed (`terms`), sums that differ on
+other dims are replicas, and the offsets' pieces must tile the whole exactly once.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, NamedTuple, Optional
@@ -20,6 +24,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 from megalign.dump.format import RankCoords, TensorRecord
 from megalign.dump.layout import Layout, cp_bounds, cp_positions
 from megalign.dump.reader import RankManifest
+from megalign.dump.sharding import MeshPlacement
 
 
 @dataclass
@@ -57,6 +62,7 @@ class Replica:
 
     coords: RankCoords
     read: bool
+    terms: tuple[RankCoords, ...] = ()  # the ranks whose pieces are added to it (Partial)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Piece:
     coords: RankCoords
     runs: tuple[tuple[int, tuple[Run, ...]], ...]
     replicas: tuple[Replica, ...] = ()
+    terms: tuple[RankCoords, ...] = ()  # the ranks whose pieces are added to it (a DTensor's Partial)
 
 
 @dataclass(frozen=True)
@@ -76,17 +83,21 @@ class Plan:
     shard_shape: tuple[int, ...]
     splits: tuple[Split, ...]
     pieces: tuple[Piece, ...]
+    mesh: Optional[MeshPlacement] = None  # a DTensor's: its pieces lie at their own offsets
 
     def explain(self) -> list[str]:
         """The plan as lines: the split, then every rank, in rank order: where its piece goes, or
         whose replica it is."""
-        splits = ", ".join(_split_text(s) for s in self.splits) or "not split: every rank holds all of it"
+        splits = _mesh_text(self.mesh) if self.mesh else \
+            ", ".join(_split_text(s) for s in self.splits) or "not split: every rank holds all of it"
         count = len(self.pieces)
         lines = [f"{_shape_text(self.shape)} from {count} piece{'' if count == 1 else 's'} of "
                  f"{_shape_text(self.shard_shape)}; {splits}"]
         ranks: list[tuple[int, str]] = []
         for piece in self.pieces:
             ranks.append((piece.coords.rank, f"{_coords_text(piece.coords)}: {_runs_text(piece.runs)}"))
+            ranks += [(c.rank, f"{_coords_text(c)}: added to rank {piece.coords.rank}'s piece (partial sum)")
+                      for c in piece.terms]
             ranks += [(r.coords.rank, f"{_coords_text(r.coords)}: replica of rank {piece.coords.rank}, "
                                       + ("read and checked against it" if r.read else "same hash: not read"))
                       for r in piece.replicas]
@@ -109,6 +120,8 @@ def make_plan(shards: list[Shard], layout: Layout,
     """Every shard's runs, or its place among the replicas of another; Unassemblable when the shards
     do not make up the whole tensor exactly once. `row_bounds(dp_rank)`: where that DP rank's row was
     cut for the CP split (reader.Dump.cp_bounds), None for a whole row."""
+    if any(s.record.sharding.mesh for s in shards):
+        return _mesh_plan(shards)
     same_shape(tuple(s.record.shape) for s in shards)
     splits = _splits(shards[0].record, layout)
     split_axes = {s.axis for s in splits}
@@ -137,6 +150,51 @@ def make_plan(shards: list[Shard], layout: Layout,
                    for shard, replicas in placed.values())
     return Plan(shape=tuple(shape), shard_shape=tuple(first.shape), splits=splits,
                 pieces=pieces)
+
+
+def _mesh_plan(shards: list[Shard]) -> Plan:
+    """A DTensor's plan: each offset's piece placed once (its Partial terms summed into it), the
+    other sums of that offset its replicas; an empty piece (an uneven split's last) holds nothing."""
+    mesh = shards[0].record.sharding.mesh
+    for shard in shards:
+        other = shard.record.sharding.mesh
+        if other is None or (other.shape, other.placements, other.whole) != (mesh.shape, mesh.placements, mesh.whole):
+            raise Unassemblable("has pieces on different device meshes, placements or whole shapes")
+    if len({s.record.sharding.mesh.coord for s in shards}) != len(shards):
+        raise Unassemblable("has pieces from ranks that claim the same mesh coordinate")
+    terms = math.prod(mesh.shape[d] for d in mesh.summed)
+    sums: dict[tuple, dict[tuple, list[Shard]]] = {}  # offset -> coordinate off the summed dims -> its terms
+    for shard in sorted(shards, key=lambda s: s.rank.coords.rank):
+        piece = shard.record.sharding.mesh
+        if math.prod(shard.record.shape):
+            kept = tuple(c for d, c in enumerate(piece.coord) if d not in mesh.summed)
+            sums.setdefault(piece.offset, {}).setdefault(kept, []).append(shard)
+    pieces, boxes = [], []
+    for offset, groups in sums.items():
+        placed, *copies = groups.values()
+        same_shape(tuple(s.record.shape) for group in groups.values() for s in group)
+        if any(len(group) != terms for group in groups.values()):
+            raise Unassemblable(f"has {min(map(len, groups.values()))} of the {terms} partial pieces summed at "
+                                f"offset {list(offset)}")
+        shape = placed[0].record.shape
+        boxes.append((offset, shape))
+        runs = tuple((d, (Run(0, start, size),)) for d, (start, size) in enumerate(zip(offset, shape))
+                     if size != mesh.whole[d])
+        pieces.append(Piece(coords=placed[0].rank.coords, runs=runs, terms=tuple(s.rank.coords for s in placed[1:]),
+                            replicas=tuple(Replica(copy[0].rank.coords, read=not all(map(_same_content, placed, copy)),
+                                                   terms=tuple(s.rank.coords for s in copy[1:])) for copy in copies)))
+    _check_tiling(boxes, mesh.whole)
+    return Plan(shape=mesh.whole, shard_shape=tuple(shards[0].record.shape), splits=(), pieces=tuple(pieces),
+                mesh=mesh)
+
+
+def _check_tiling(boxes: list[tuple[tuple[int, ...], list[int]]], whole: tuple[int, ...]) -> None:
+    """The pieces (offset, shape) cover the whole exactly once: no two overlap, and together they are as big."""
+    if sum(math.prod(shape) for _, shape in boxes) != math.prod(whole):
+        raise Unassemblable(f"has pieces that do not make up its {_shape_text(whole)}")
+    for (a, a_shape), (b, b_shape) in itertools.combinations(boxes, 2):
+        if all(x < y + m and y < x + n for x, n, y, m in zip(a, a_shape, b, b_shape)):
+            raise Unassemblable(f"has pieces at offsets {list(a)} and {list(b)} that overlap")
 
 
 def _splits(record: TensorRecord, layout: Layout) -> tuple[Split, ...]:
@@ -196,6 +254,8 @@ def _same_content(shard: Shard, replica: Shard) -> bool:
 def full_shape(shards: list[Shard], layout: Layout) -> list[int]:
     """The reassembled shape, from the records alone (also for stats-only dumps)."""
     record = shards[0].record
+    if record.sharding.mesh is not None:
+        return list(record.sharding.mesh.whole)
     shape = list(record.shape)
     sharding = record.sharding
     first = shards[0].rank.coords
@@ -217,6 +277,12 @@ def _shape_text(shape: tuple[int, ...]) -> str:
 def _split_text(split: Split) -> str:
     how = (f" ({split.parts} parts, each split)" if split.parts > 1 else "") + (" (zigzag)" if split.zigzag else "")
     return f"{split.axis} {split.size} along dim {split.dim}{how}"
+
+
+def _mesh_text(mesh: MeshPlacement) -> str:
+    """`DTensor on mesh 2 (S0): pieces at their offsets`; with partial sums said."""
+    summed = "; partial pieces summed" if mesh.summed else ""
+    return f"DTensor on mesh {_shape_text(mesh.shape)} ({', '.join(mesh.placements)}): pieces at their offsets{summed}"
 
 
 def _coords_text(c: RankCoords) -> str:

@@ -4,9 +4,10 @@ ranks that hold it.
 The full tensor is allocated once (in the caller's buffer when given: verdict.py reuses them) and
 every placed shard is read from its file straight into its place, one positioned read per block,
 where the block is contiguous on both sides; otherwise the shard is read whole and copied block by
-block. A replica the plan says to read is read into the same place of a scratch tensor and measured
-against the placed values as a ReplicaGap. Stats-only records are combined with TensorStats.combine
-over the placed shards.
+block. A DTensor's partial pieces (the plan's terms) are read into a scratch tensor and added in
+place, in rank order. A replica the plan says to read is read (and summed) into the same place of a
+scratch tensor and measured against the placed values as a ReplicaGap. Stats-only records are
+combined with TensorStats.combine over the placed shards; partial sums cannot be, and say so.
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] =
         return value
     by_rank = {s.rank.coords.rank: s for s in shards}
     if first.file is None:
+        if any(p.terms for p in plan.pieces):
+            value.problem = "is a partial sum over ranks: statistics of its pieces do not make the sum's"
+            return value
         value.stats = TensorStats.combine(by_rank[p.coords.rank].record.stats for p in plan.pieces)
         return value
     dtype = dump.locate(shards[0].rank, first).dtype
     shape = value.shape if rows is None else [rows[1] - rows[0], *value.shape[1:]]
     full = _allocate(shape, dtype, buffer)
     for piece in plan.pieces:
-        _read_piece(dump, by_rank[piece.coords.rank], piece, full, rows)
-    value.replicas = [_replica_gap(dump, piece, by_rank[replica.coords.rank], full, rows)
+        _read_sum(dump, [by_rank[c.rank] for c in (piece.coords, *piece.terms)], piece, full, rows)
+    value.replicas = [_replica_gap(dump, piece, [by_rank[c.rank] for c in (replica.coords, *replica.terms)], full, rows)
                       for piece in plan.pieces for replica in piece.replicas if replica.read]
     value.tensor = full
     return value
@@ -112,15 +116,27 @@ def _read_piece(dump: Dump, shard: Shard, piece: Piece, out: torch.Tensor, rows)
         dst.copy_(_narrow(span, [(d, start - first if d == 0 else start, n) for d, start, n in local]))
 
 
-def _replica_gap(dump: Dump, piece: Piece, replica: Shard, out: torch.Tensor, rows) -> ReplicaGap:
-    """How far a replica is from the values placed for the piece it copies: read into the same place
-    of a scratch tensor and compared block by block."""
+def _read_sum(dump: Dump, shards: list[Shard], piece: Piece, out: torch.Tensor, rows) -> None:
+    """Read the first shard into `out` at `piece`'s blocks, and add the others (Partial terms) there."""
+    _read_piece(dump, shards[0], piece, out, rows)
+    if len(shards) == 1:
+        return
     scratch = torch.empty_like(out)
-    _read_piece(dump, replica, piece, scratch, rows)
+    for shard in shards[1:]:
+        _read_piece(dump, shard, piece, scratch, rows)
+        for _, where in _blocks(piece, shard.record.shape, rows):
+            _narrow(out, where).add_(_narrow(scratch, where))
+
+
+def _replica_gap(dump: Dump, piece: Piece, replica: list[Shard], out: torch.Tensor, rows) -> ReplicaGap:
+    """How far a replica (with its partial terms) is from the values placed for the piece it copies:
+    read into the same place of a scratch tensor and compared block by block."""
+    scratch = torch.empty_like(out)
+    _read_sum(dump, replica, piece, scratch, rows)
     total = Sums()
-    for _, where in _blocks(piece, replica.record.shape, rows):
+    for _, where in _blocks(piece, replica[0].record.shape, rows):
         total.add(pair_sums(_narrow(scratch, where), _narrow(out, where)), 0)
-    return ReplicaGap(ranks=f"rank {replica.rank.coords.rank} vs rank {piece.coords.rank}", sums=total)
+    return ReplicaGap(ranks=f"rank {replica[0].rank.coords.rank} vs rank {piece.coords.rank}", sums=total)
 
 
 def first_replica(replicas: list[tuple[int, torch.Tensor]], gaps: list[ReplicaGap]) -> torch.Tensor:

@@ -19,9 +19,10 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from megalign.compare.metrics import StatsMetrics
+from megalign.compare.rollout_findings import RolloutFindings
 from megalign.compare.verdict import Report, Row
 
 
@@ -34,18 +35,23 @@ def row_record(row: Row, first_divergence: bool) -> dict:
     return record
 
 
-def summary_record(report: Report) -> dict:
-    return {"record": "summary",
-            **{side: {"path": str(s.path), "format": s.format, "description": s.description}
-               for side, s in (("a", report.a), ("b", report.b))},
-            **dataclasses.asdict(report.summary), "ok": report.summary.ok}
+def summary_record(report: Report, rollout: Optional[RolloutFindings] = None) -> dict:
+    record = {"record": "summary",
+              **{side: {"path": str(s.path), "format": s.format, "description": s.description}
+                 for side, s in (("a", report.a), ("b", report.b))},
+              **dataclasses.asdict(report.summary), "ok": report.summary.ok}
+    if rollout is not None:
+        findings = dataclasses.asdict(rollout)
+        del findings["gaps"]  # one per sequence: the worst are what a reader wants, --export-worst the rest
+        record["rollout"] = findings
+    return record
 
 
-def write_jsonl(report: Report, path: Path) -> None:
+def write_jsonl(report: Report, path: Path, rollout: Optional[RolloutFindings] = None) -> None:
     with open(path, "w") as out:
         for row in report.rows:
             out.write(json.dumps(_strict(row_record(row, row.index == report.first_divergence))) + "\n")
-        out.write(json.dumps(_strict(summary_record(report))) + "\n")
+        out.write(json.dumps(_strict(summary_record(report, rollout))) + "\n")
 
 
 def _strict(value: Any) -> Any:

@@ -38,9 +38,11 @@ from megalign.errors import UserError, compile_pattern
 # (--allow-missing): then Row.allowed says which, and the summary counts it. One that could not be
 # reassembled was never compared either: it fails unless the user allowed it (--allow-skipped), when
 # it is SKIPPED and named in the summary. A tensor set APART (lineup.py: positions, not tokens, under
-# differently packed batches) is counted.
+# differently packed batches) is counted. One whose values cannot be verified (Value.unverifiable) is
+# UNVERIFIABLE: named apart in the summary, never a divergence.
 PASS, FAIL, SHAPE_MISMATCH = "pass", "fail", "shape_mismatch"
 ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_reassemblable", "skipped", "apart"
+UNVERIFIABLE = "unverifiable"
 FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
 BY_OP_MAP, BY_PATTERN = "cross-stack op map", "--allow-missing"  # Row.allowed of a one-sided row
 # Pairs with a side over STREAM_BYTES are compared WINDOW_BYTES of rows at a time (verdict._streamed).
@@ -96,6 +98,7 @@ class Summary:
     not_reassemblable: int
     skipped: int
     apart: int
+    unverifiable: int
     first_divergence: Optional[str]  # "kind name" of the first failing row, in execution order
     # The first router whose choices differ: a cause of its own, before the numeric drift it brings.
     first_routing_flip: Optional[str]
@@ -303,6 +306,11 @@ class _Comparison:
             row.status = NOT_REASSEMBLABLE
             row.notes += problems
             return row
+        unverifiable = [f"{side}: {v.unverifiable}" for side, v in (("A", x), ("B", y)) if v.unverifiable]
+        if unverifiable:
+            row.status = UNVERIFIABLE
+            row.notes += unverifiable
+            return row
         if list(x.shape) != list(y.shape):
             row.status = SHAPE_MISMATCH
             return row
@@ -441,6 +449,7 @@ def _summarise(rows: list[Row], first: Optional[int], rescaled: list[KindScale])
                    allowed_by_op_map=sum(1 for row in rows if row.allowed == BY_OP_MAP),
                    allowed_by_pattern=sum(1 for row in rows if row.allowed == BY_PATTERN),
                    not_reassemblable=count(NOT_REASSEMBLABLE), skipped=count(SKIPPED), apart=count(APART),
+                   unverifiable=count(UNVERIFIABLE),
                    first_divergence=f"{rows[first].kind} {rows[first].name}" if first is not None else None,
                    first_routing_flip=next((f"{row.name} ({row.routing.same_set / row.routing.tokens:.2%} of tokens "
                                             "keep their top-k set)" for row in rows

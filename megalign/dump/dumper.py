@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from megalign.dump.coverage import has_gradient, read_grad
 from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
+from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
                                   write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
@@ -88,6 +89,7 @@ class Dumper:
         self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks: list = []
+        self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
         self._steps: list[int] = []
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
         self._closed = False
@@ -123,15 +125,20 @@ class Dumper:
             module: Optional[str] = None, stable: bool = False) -> None:
         """Record `tensor` (copied now) as (kind, name). `sharding` says how this rank's tensor is a
         piece of the whole (megalign.Sharding: `dp_dim`, `seq_dim` (CP zigzag), `tp_dim`, `tp_parts`,
-        `sp`); None: every rank holds the whole tensor, a replica. `module`: the module that made it,
-        if any. `stable`: the tensor will not change before close() (a parameter gradient after the
-        step), so it is written from where it is, not copied."""
+        `sp`); None: every rank holds the whole tensor, a replica. A DTensor's own placements say where
+        its local piece lies (dtensor.py). `module`: the module that made it, if any. `stable`: the
+        tensor will not change before close() (a parameter gradient after the step), so it is
+        written from where it is, not copied."""
         if not self._writing:
             return
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{kind} {name}: a torch.Tensor is needed, got {type(tensor).__name__}")
+        if is_dtensor(tensor):
+            if sharding not in (None, Sharding()):
+                raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
+            tensor, sharding = local_piece(tensor)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable)
 
@@ -141,9 +148,14 @@ class Dumper:
         `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
         when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
         gradients (param_grad). `batch_dim`: the outputs' batch dim, split over DP ranks (None: every
-        rank computes the same outputs). `outputs=False`: the parameters' gradients (and values)
-        only. A megatron-core DDP (or the model it wraps) is read where DDP leaves the gradients.
+        rank computes the same outputs); an output is split only where it has as many rows there as
+        the first tensor `module` was called with (the rest, rotary tables, are replicas).
+        `outputs=False`: the parameters' gradients (and values) only. A megatron-core DDP (or the
+        model it wraps) is read where DDP leaves the gradients; torch's DDP is unwrapped (names as
+        the model's own); FSDP2 and tensor parallel's DTensors are placed by their placements.
         Outputs under megatron-core's TP or CP: NotImplementedError."""
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module  # plain .grad, all-reduced: replicas over the DP group
         if is_megatron_ddp(module):
             self._ddps.append(module)
             module = module.module  # names as the model's own, without DDP's `module.`
@@ -163,6 +175,8 @@ class Dumper:
             self._watched.setdefault(named(path), param)
         if not outputs:
             return
+        if self.layout.dp > 1 and batch_dim is not None:  # only a DP split needs the batch's rows
+            self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim), with_kwargs=True))
         for path, sub in module.named_modules():
             if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), batch_dim)))
@@ -195,7 +209,8 @@ class Dumper:
         for name, param in self._watched.items():
             module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
             grad = grads[name] if name in grads else read_grad(param)
-            if has_gradient(grad):
+            # A DTensor's all-zero test would be a collective, and a piece may be zero on one rank only.
+            if is_dtensor(grad) or has_gradient(grad):
                 self.add("param_grad", name, grad, sharding, module=module)
             if self._params:
                 self.add("param", name, param.detach(), sharding, module=module)
@@ -262,8 +277,18 @@ class Dumper:
 
         return record
 
+    def _batch_hook(self, batch_dim: int) -> Callable:
+        """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's batch."""
+        def read(module, args, kwargs):
+            first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+            if first is not None and first.ndim > batch_dim:
+                self._batch = first.shape[batch_dim]
+
+        return read
+
     def _record(self, key: str, module: str, tensor: torch.Tensor, batch_dim: Optional[int]) -> None:
-        split = batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1
+        split = (batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1 and not is_dtensor(tensor)
+                 and self._batch in (None, tensor.shape[batch_dim]))
         sharding = Sharding(dp_dim=batch_dim) if split else Sharding()
         self.add("activation", key, tensor, sharding, module=module)
         if tensor.requires_grad:

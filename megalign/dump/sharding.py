@@ -7,6 +7,8 @@ is partitioned over TP ranks (None: every TP rank holds a replica), how many fus
 holds (SwiGLU's gate|up: each TP rank holds its slice of every part, so shards are merged part by
 part), and which dim holds the batch (split over DP ranks, contiguous; None: DP ranks hold replicas).
 A packed row is zigzagged document by document; its documents' bounds are the dump's `rows`.
+A DTensor's piece (torch's FSDP2, tensor parallel) says where it lies itself (`mesh`: MeshPlacement),
+from the DTensor's placements: uneven shards and any device mesh, in place of the axes above.
 Where each piece lies (the zigzag, the rows) is layout.py's; this module puts pieces together.
 """
 
@@ -21,16 +23,43 @@ from megalign.dump.layout import cp_bounds, cp_positions, zigzag_positions  # no
 
 
 @dataclass(frozen=True)
+class MeshPlacement:
+    """Where a DTensor's local piece lies, as torch computed it: the device mesh's `shape`, this
+    rank's `coord` on it, each mesh dim's placement (`S<d>`: split along tensor dim d, `R`: replicas,
+    `P`: partial values that sum to the whole), the whole tensor's shape and the piece's offset in it.
+    Ranks whose pieces share an offset and differ only on `P` dims are summed; such sums that differ
+    only on `R` dims are replicas. Offsets are recorded, not recomputed: uneven last shards (3 rows
+    over 2 ranks: 2 + 1), empty ones, and strided shards (FSDP2 over TP) need no rule of their own."""
+
+    shape: tuple[int, ...]
+    coord: tuple[int, ...]
+    placements: tuple[str, ...]
+    whole: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"shape": list(self.shape), "coord": list(self.coord), "placements": list(self.placements),
+                "global_shape": list(self.whole), "offset": list(self.offset)}
+
+    @property
+    def summed(self) -> tuple[int, ...]:
+        """The mesh dims whose ranks hold partial values, summed by compare."""
+        return tuple(i for i, p in enumerate(self.placements) if p == "P")
+
+
+@dataclass(frozen=True)
 class Sharding:
     seq_dim: Optional[int] = None
     tp_dim: Optional[int] = None
     tp_parts: int = 1
     sp: bool = False
     dp_dim: Optional[int] = None
+    mesh: Optional[MeshPlacement] = None  # a DTensor's piece: the other fields are then unset
 
     def to_dict(self) -> dict:
-        return {"seq_dim": self.seq_dim, "tp_dim": self.tp_dim, "tp_parts": self.tp_parts, "sp": self.sp,
+        axes = {"seq_dim": self.seq_dim, "tp_dim": self.tp_dim, "tp_parts": self.tp_parts, "sp": self.sp,
                 "dp_dim": self.dp_dim}
+        return axes if self.mesh is None else {**axes, "mesh": self.mesh.to_dict()}
 
 
 REPLICATED = Sharding()

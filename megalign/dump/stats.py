@@ -49,6 +49,14 @@ class TensorStats:
                    nan=nan, inf=inf)
 
     @classmethod
+    def from_summary(cls, numel: int, summary: list[float]) -> "TensorStats":
+        """From device_summary's values, read back."""
+        total, sum_sq, abs_sum, low, high, nan, inf = summary
+        if nan + inf == numel:  # empty, or nothing finite
+            low = high = math.nan
+        return cls(numel=numel, sum=total, sum_sq=sum_sq, abs_sum=abs_sum, min=low, max=high, nan=int(nan), inf=int(inf))
+
+    @classmethod
     def combine(cls, shards: Iterable["TensorStats"]) -> "TensorStats":
         shards = list(shards)
         return cls(numel=sum(s.numel for s in shards), sum=sum(s.sum for s in shards),
@@ -92,3 +100,20 @@ def _sums(x: torch.Tensor) -> tuple[float, float, float]:
         sum_sq += float(torch.mul(piece, piece, out=buffer).sum(dtype=accumulate))
         abs_sum += float(torch.abs(piece, out=buffer).sum(dtype=accumulate))
     return total, sum_sq, abs_sum
+
+
+def device_summary(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's statistics as one float64 tensor on the device (sum, sum of squares, sum of
+    absolute values, min, max, NaN count, Inf count, over its finite values), queued without waiting
+    for them: TensorStats.of reads each back at once, a sync per value that stalls a GPU's step."""
+    x = tensor.detach().flatten()
+    if not x.is_floating_point():
+        x = x.double()
+    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
+    finite = torch.isfinite(x)
+    kept = torch.where(finite, x, 0)
+    nan = torch.isnan(x).sum()
+    return torch.stack([kept.sum(dtype=accumulate).double(), (kept * kept).sum(dtype=accumulate).double(),
+                        kept.abs().sum(dtype=accumulate).double(),
+                        torch.where(finite, x, math.inf).min().double(), torch.where(finite, x, -math.inf).max().double(),
+                        nan.double(), (x.numel() - finite.sum() - nan).double()])

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
-from megalign.dump.sharding import Sharding
+from megalign.dump.sharding import MeshPlacement, Sharding
 from megalign.dump.stats import TensorStats
 from megalign.errors import UserError
 
@@ -163,7 +163,7 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
     return TensorRecord(kind=kind, name=_str(record.get("name"), f"{where}: name"),
                         order=_int(record.get("order"), f"{where}: order"),
                         shape=shape, dtype=dtype,
-                        sharding=_sharding(record.get("sharding"), len(shape), where),
+                        sharding=_sharding(record.get("sharding"), shape, where),
                         module=record.get("module") if isinstance(record.get("module"), str) else None,
                         layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
                         file=file, key=key, stats=None if stats is None else _stats(stats, where),
@@ -196,21 +196,58 @@ def check_tensor_file(name: str, rank_dir: Path, where: str, holds: int = 0) -> 
     return path
 
 
-def _sharding(raw: Any, ndim: int, where: str) -> Sharding:
+def _sharding(raw: Any, shape: list[int], where: str) -> Sharding:
     raw = _dict(raw if raw is not None else {}, f"{where}: sharding")
+    ndim = len(shape)
     sp = raw.get("sp", False)
     if not isinstance(sp, bool):
         raise Malformed(f"{where}: sharding.sp must be true or false")
     sharding = Sharding(seq_dim=_optional_int(raw.get("seq_dim"), f"{where}: sharding.seq_dim"),
                         tp_dim=_optional_int(raw.get("tp_dim"), f"{where}: sharding.tp_dim"),
                         tp_parts=_int(raw.get("tp_parts", 1), f"{where}: sharding.tp_parts", low=1), sp=sp,
-                        dp_dim=_optional_int(raw.get("dp_dim"), f"{where}: sharding.dp_dim"))
+                        dp_dim=_optional_int(raw.get("dp_dim"), f"{where}: sharding.dp_dim"),
+                        mesh=None if raw.get("mesh") is None else _mesh(raw["mesh"], shape, f"{where}: sharding.mesh"))
+    if sharding.mesh is not None and (sharding.seq_dim, sharding.tp_dim, sharding.dp_dim, sharding.sp) != \
+            (None, None, None, False):
+        raise Malformed(f"{where}: sharding.mesh places the tensor alone: seq_dim, tp_dim, dp_dim and sp must be unset")
     if sharding.sp and (sharding.seq_dim is None or sharding.tp_dim is not None):
         raise Malformed(f"{where}: sharding.sp needs a seq_dim and no tp_dim")
     for dim in (sharding.seq_dim, sharding.tp_dim, sharding.dp_dim):
         if dim is not None and dim >= ndim:
             raise Malformed(f"{where}: sharding names dim {dim} of a {ndim}-dim tensor")
     return sharding
+
+
+def _ints(raw: Any, where: str, length: int, low: int = 0) -> tuple[int, ...]:
+    if not isinstance(raw, list) or len(raw) != length:
+        raise Malformed(f"{where} must be a list of {length} integers")
+    return tuple(_int(n, where, low) for n in raw)
+
+
+def _mesh(raw: Any, shape: list[int], where: str) -> MeshPlacement:
+    """A DTensor's piece: the mesh, this rank's coordinate on it, one placement a mesh dim (S<d>, R,
+    P), the whole shape and the piece's offset, which must hold the piece. A tensor dim that no
+    placement splits is the whole's."""
+    raw = _dict(raw, where)
+    if not isinstance(raw.get("shape"), list) or not raw["shape"]:
+        raise Malformed(f"{where}.shape must be a non-empty list of integers")
+    mesh = _ints(raw["shape"], f"{where}.shape", len(raw["shape"]), low=1)
+    coord = _ints(raw.get("coord"), f"{where}.coord", len(mesh))
+    if any(c >= n for c, n in zip(coord, mesh)):
+        raise Malformed(f"{where}.coord {list(coord)} is outside the mesh {list(mesh)}")
+    placements = raw.get("placements")
+    split = {f"S{d}": d for d in range(len(shape))}
+    if not isinstance(placements, list) or len(placements) != len(mesh) \
+            or not all(isinstance(p, str) and (p in ("R", "P") or p in split) for p in placements):
+        raise Malformed(f"{where}.placements must be one of R, P or S<dim> (dim < {len(shape)}) a mesh dim")
+    whole = _ints(raw.get("global_shape"), f"{where}.global_shape", len(shape))
+    offset = _ints(raw.get("offset"), f"{where}.offset", len(shape))
+    sharded = {split[p] for p in placements if p in split}
+    for d, (size, start, total) in enumerate(zip(shape, offset, whole)):
+        if start + size > total or (d not in sharded and (start, size) != (0, total)):
+            raise Malformed(f"{where}: the piece {shape} at offset {list(offset)} does not lie in "
+                            f"{list(whole)} on mesh {list(mesh)} at {list(coord)}")
+    return MeshPlacement(shape=mesh, coord=coord, placements=tuple(placements), whole=whole, offset=offset)
 
 
 def _stats(raw: Any, where: str) -> TensorStats:

@@ -9,6 +9,7 @@ streams it to its file through two pinned buffers (staging.py).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -22,7 +23,7 @@ from megalign.dump.format import (FORMAT, MANIFEST, VERSION, Kind, RankCoords, T
                                             rank_dirname, write_json_atomic)
 from megalign.dump.sharding import Sharding
 from megalign.dump.staging import PinnedStaging
-from megalign.dump.stats import TensorStats
+from megalign.dump.stats import TensorStats, device_summary
 from megalign.dump.tensorfile import write_file
 
 # One thread writes into the page cache at about one core's copy speed; files written side by side go
@@ -48,6 +49,7 @@ class RankWriter:
         self._pending: list[tuple[TensorRecord, torch.Tensor, Optional[torch.cuda.Event]]] = []
         self._pending_bytes = 0
         self._files: list[Future] = []
+        self._stats: list[Future] = []  # --stats-only: each record's statistics, filled in a writing thread
         self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="megalign-writer")
         self._local = threading.local()  # each writing thread's own pinned buffers: .staging
         self._error: Optional[BaseException] = None  # the first error a writing thread met
@@ -66,7 +68,9 @@ class RankWriter:
         record = TensorRecord(kind=kind, name=name, order=len(self.records), shape=list(tensor.shape),
                               dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer)
         if self.stats_only:
-            record.stats = TensorStats.of(tensor)
+            # Off the training thread: summed in a writing thread from a copy, or on the device by
+            # kernels queued behind the step's and read back in a writing thread (no sync here).
+            self._stats.append(self._pool.submit(_fill_stats, record, *_stats_source(tensor, stable)))
         else:
             record.key = str(record.order)
             record.file = self._current_file()
@@ -80,6 +84,8 @@ class RankWriter:
         """Wait for every file, then write the manifest; raises what a writing thread met."""
         self._flush()
         self._pool.shutdown(wait=True)
+        for done in self._stats:
+            done.result()
         self._raise()
         self.bytes_written = sum(done.result() for done in self._files)
         write_json_atomic(self.dir / MANIFEST, {
@@ -118,6 +124,25 @@ class RankWriter:
         except BaseException as e:  # noqa: B036 - handed to the run's thread, which raises it
             self._error = self._error or e
             return 0
+
+
+def _stats_source(tensor: torch.Tensor, stable: bool) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:
+    """What a writing thread computes a record's statistics from: on a CPU the tensor (copied unless
+    stable); on a device its summary, queued now, with the event that says it is done."""
+    if tensor.device.type == "cpu" or tensor.numel() == 0:
+        return _held(tensor.cpu(), stable)
+    summary = device_summary(tensor)
+    ready = torch.cuda.Event()
+    ready.record()
+    return summary, ready
+
+
+def _fill_stats(record: TensorRecord, source: torch.Tensor, ready: Optional[torch.cuda.Event]) -> None:
+    if ready is None:
+        record.stats = TensorStats.of(source)
+    else:
+        ready.synchronize()
+        record.stats = TensorStats.from_summary(math.prod(record.shape), source.tolist())
 
 
 def _held(tensor: torch.Tensor, stable: bool) -> tuple[torch.Tensor, Optional[torch.cuda.Event]]:

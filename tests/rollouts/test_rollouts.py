@@ -176,3 +176,60 @@ def test_a_damaged_file_is_refused_in_one_line(rollouts, tmp_path, name):
                 read_rollout(damaged, checkpoint)
             except UserError:
                 pass
+
+
+def test_findings_in_json_and_where_the_mismatch_sits(rollouts, trainer, tmp_path):
+    """The real engine's gap (KV-cache decode against a full forward) spreads evenly: no region is
+    over-represented; the findings are in the --json summary."""
+    _, files = rollouts
+    result, _ = compare(tmp_path, files["sglang.json"], trainer("--cp", "2"))
+    assert result.exit_code == 0, result.output
+    found = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])["rollout"]
+    assert [g["sequence"] for g in found["worst_by_k3"]] == [0, 1] and found["causes"] == []
+    assert not found["causes_checked"] and found["sides"] is None
+    where = {r["name"]: r for r in found["where"]}
+    assert {"positions 0-15", "first response token", "CP shard edges (CP=2)"} <= set(where)
+    assert where["first response token"]["tokens"] == 2 and not any(r["over_represented"] for r in found["where"])
+    assert "where the mismatch sits" in result.output
+
+
+def test_a_gap_at_the_first_response_token_is_over_represented_there(rollouts, trainer, tmp_path):
+    """The twin: the first response token's logprob off by 0.5 in each sequence, exit 1; the first
+    response token holds all of the gap's mass, the rest of the response none of it."""
+    _, files = rollouts
+    lines = [json.loads(line) for line in files["rollout.jsonl"].read_text().splitlines()]
+    for line in lines:
+        line["response_logprobs"][0] += 0.5
+    planted = tmp_path / "first.jsonl"
+    planted.write_text("\n".join(map(json.dumps, lines)))
+    result, _ = compare(tmp_path, planted, trainer("--cp", "2"))
+    assert result.exit_code == 1, result.output
+    where = {r["name"]: r for r in json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])["rollout"]["where"]}
+    first = where["first response token"]
+    assert first["over_represented"] and first["mass_share"] > 0.99 and first["token_share"] == 2 / 32
+    assert not where["CP shard edges (CP=2)"]["over_represented"]
+    assert "first response token        2       6.2%   100.0%" in result.output
+
+
+def test_export_worst_writes_a_tokens_file_forward_runs(rollouts, trainer, tmp_path):
+    checkpoint, files = rollouts
+    worst = tmp_path / "worst.json"
+    worst.write_text("an older file: replaced, as --json replaces its file\n")
+    result, rows = compare(tmp_path, files["vllm.json"], trainer("--cp", "2"), "--export-worst", "1", worst)
+    assert result.exit_code == 0, result.output
+    exported = json.loads(worst.read_text())
+    by_k3, by_max = exported["worst_by_k3"], exported["worst_by_max_abs_diff"]
+    assert exported["sequences"] == sorted(set(by_k3 + by_max)) and len(by_k3) == len(by_max) == 1
+    samples = rollout_tokens(files["vllm.json"])
+    assert exported["tokens"] == [samples[i] for i in exported["sequences"]]
+    assert not list(tmp_path.glob(".worst.json.megalign-*"))  # written beside, renamed into place
+    run = invoke("forward", "--stack", "hf", "--hf", checkpoint, "--tokens", worst, "--out", tmp_path / "repro")
+    assert run.exit_code == 0, run.output
+    # Its refusals, each one line, exit 2: N below 1, no rollout file, a path inside an input.
+    for args, words in ((("--export-worst", "0", worst), "N must be at least 1"),
+                        (("--export-worst", "1", trainer("--cp", "2") / "w.json"), "inside the input")):
+        refused = invoke("compare", files["vllm.json"], trainer("--cp", "2"), *args)
+        assert refused.exit_code == 2 and words in refused.output and len(refused.output.splitlines()) == 1
+    refused = invoke("compare", trainer("--cp", "2"), trainer("--cp", "2", "--packed", "--attention", "torch"),
+                     "--export-worst", "1", tmp_path / "w.json")
+    assert refused.exit_code == 2 and "neither A nor B is a rollout file" in refused.output

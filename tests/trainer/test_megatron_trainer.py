@@ -6,34 +6,15 @@ classic CP bug (each rank's loss divided by its own token count) is caught at it
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import megalign
 from tests.conftest import invoke
+from tests.trainer.torchruns import finish, start
 
 SCRIPT = Path(__file__).with_name("megatron_train.py")
-REPO = SCRIPT.parents[2]
-
-
-def start(out: Path, *args: str, steps: str = "") -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MEGALIGN_DUMP": str(out)}
-    env.pop("MEGALIGN_DUMP_STEPS", None)
-    if steps:
-        env["MEGALIGN_DUMP_STEPS"] = steps
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(SCRIPT), *args], cwd=out.parent, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def finish(*runs: subprocess.Popen) -> None:
-    for run in runs:
-        output, _ = run.communicate(timeout=300)
-        assert run.returncode == 0, output[-4000:]
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +23,9 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
     and at CP=2 with the bug. Two torchruns at a time."""
     root = tmp_path_factory.mktemp("trainer")
     made = {name: root / name for name in ("cp1", "cp2", "cp1_early", "cp2_bug")}
-    finish(start(made["cp1"], "--cp", "1"), start(made["cp2"], "--cp", "2"))
-    finish(start(made["cp1_early"], "--cp", "1", steps="0,1"),
-           start(made["cp2_bug"], "--cp", "2", "--bug", "local-tokens", steps="0,1"))
+    finish(start(made["cp1"], "--cp", "1", script=SCRIPT), start(made["cp2"], "--cp", "2", script=SCRIPT))
+    finish(start(made["cp1_early"], "--cp", "1", steps="0,1", script=SCRIPT),
+           start(made["cp2_bug"], "--cp", "2", "--bug", "local-tokens", steps="0,1", script=SCRIPT))
     return made
 
 

@@ -12,8 +12,11 @@ mode), `input_ids` the tokens; anything else is an activation. With several step
 A tensor dumped by several ranks is put back together from its `dims` (e.g. `s[cp:zigzag] b h[tp]`)
 and each rank's `megatron_parallel_info` / `sglang_parallel_info`: sharded dims are concatenated in
 rank order (zigzag undone for `cp:zigzag`, summed for `partial`), ranks that differ only in axes the
-dims do not shard hold replicas. Without dims, shards and replicas cannot be told apart (CP-partial
-parameter gradients look like replicas): such tensors are reported as not reassemblable.
+dims do not shard hold replicas. Without dims, shards and replicas cannot be told apart: such tensors
+are reported as not reassemblable, but for two that megatron's conventions place. Parameter
+gradients (`dump_model` writes no dims) are whole on every CP and DP rank and split over TP as
+megatron's names say (dump/megatron_params.py). A loss the same on every rank is the reduced loss;
+one that differs is per-rank parts reduced in a way the dump does not say: unverifiable.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,11 +34,13 @@ from megalign.compare.entries import Entry, ReplicaGap, Source, Value, phase
 from megalign.compare.reassemble import first_replica
 from megalign.compare.sources.plain import is_regular, load_pt, tensor_value
 from megalign.dump.format import layer_of
-from megalign.dump.sharding import merge_cp
+from megalign.dump.megatron_params import gated_linear, tp_dim_by_name
+from megalign.dump.sharding import merge_cp, merge_tp
 from megalign.errors import UserError
 
 _REQUIRED = ("step", "rank", "dump_index", "name")
 _AXES = ("tp", "cp", "sp", "attn_tp", "attn_cp")
+_FC1 = re.compile(r"linear_fc1\.(weight|bias)$")
 _MODIFIERS = re.compile(r"^(?P<name>[^\[\]]+)(?:\[(?P<mods>[^\]]+)\])?$")
 
 
@@ -57,6 +62,7 @@ class _Split:
     axis: str
     zigzag: bool
     partial: bool
+    parts: int = 1  # fused parts, each split on its own (SwiGLU's gate|up)
 
 
 def parse_filename(path: Path) -> Optional[dict]:
@@ -117,7 +123,7 @@ def open_sglang(path: Path, folder: Path) -> Source:
     files, skipped = [], 0
     for file in dump_files(folder):
         fields = parse_filename(file)
-        value, meta = _unwrap(load_pt(file))
+        value, meta = unwrap(load_pt(file))
         if not isinstance(value, torch.Tensor):
             skipped += 1  # the dumper also records ints, strings and dicts; there is nothing to compare
             continue
@@ -137,16 +143,21 @@ def open_sglang(path: Path, folder: Path) -> Source:
     for (kind, name), group in groups.items():
         first = min(group, key=lambda f: f.rank)
         layer = first.meta.get("layer_id")
+        group = sorted(group, key=lambda f: f.rank)
+        if kind == "param_grad":
+            fc2 = groups.get((kind, _FC1.sub("linear_fc2.weight", name)), [])
+            load = partial(_param_grad, group, name.rpartition("/")[2], partial(_gate_parts, fc2))
+        else:
+            load = partial(_loss if kind == "loss" else _reassemble, group)
         entries.append(Entry(kind=kind, name=name, order=(phase(kind), 0, first.dump_index),
-                             layer=layer if isinstance(layer, int) else layer_of(name),
-                             load=partial(_reassemble, sorted(group, key=lambda f: f.rank))))
+                             layer=layer if isinstance(layer, int) else layer_of(name), load=load))
     ranks = len({f.rank for f in files})
     description = f"sglang dump: {len(files)} files, {ranks} rank(s)" + (
         f", {skipped} non-tensor values ignored" if skipped else "")
     return Source(path=Path(path), format="sglang", description=description, entries=entries)
 
 
-def _unwrap(content) -> tuple[object, dict]:
+def unwrap(content) -> tuple[object, dict]:
     """(value, meta) of a dumper file: {"value": v, "meta": {...}}, or a bare value."""
     if isinstance(content, dict) and "value" in content:
         meta = content.get("meta")
@@ -155,17 +166,71 @@ def _unwrap(content) -> tuple[object, dict]:
 
 
 def _load(file: _File) -> torch.Tensor:
-    value, _ = _unwrap(load_pt(file.path))
+    value, _ = unwrap(load_pt(file.path))
     if not isinstance(value, torch.Tensor):
         raise UserError(f"{file.path}: no longer holds a tensor")
     return value
 
 
+def _dims(file: _File) -> Optional[str]:
+    dims = file.meta.get("dims")
+    return dims if isinstance(dims, str) and dims.strip() else None
+
+
+def _param_grad(files: list[_File], name: str, gate_parts: Callable[[list[torch.Tensor]], int]) -> Value:
+    """A parameter gradient without dims (dump_model writes none): whole on every CP and DP rank,
+    split over TP (over expert TP for experts) as megatron's parameter names say (dump/megatron_params)."""
+    if len(files) == 1 or _dims(files[0]):
+        return _reassemble(files)
+    tensors = [_load(f) for f in files]
+    axis = "etp" if ".experts." in name else "tp"
+    try:
+        infos = [{**_parallel_info(f), "rank": f.rank} for f in files]
+        if axis == "etp" and any(info.get("ep_size", 1) != 1 for info in infos):
+            raise ValueError("expert parameters are named by their index on their own EP rank")
+        dim = tp_dim_by_name(name)
+        splits = [] if dim is None or _coord(infos[0], axis)[1] == 1 else [
+            _Split(dim=dim, axis=axis, zigzag=False, partial=False, parts=gate_parts(tensors) if gated_linear(name) else 1)]
+        gaps: list[ReplicaGap] = []
+        full = _merge(list(zip(infos, tensors)), splits, gaps)
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:
+        return Value(shape=list(tensors[0].shape), dtype=str(tensors[0].dtype).removeprefix("torch."),
+                     problem=f"dumped by {len(files)} ranks without dims: {e}")
+    value = tensor_value(full)
+    value.replicas = gaps
+    return value
+
+
+def _gate_parts(fc2: list[_File], fc1: list[torch.Tensor]) -> int:
+    """How many fused parts linear_fc1 holds: 2 (gate|up, SwiGLU) where its rows are twice the inputs
+    of the layer's linear_fc2, 1 where they are as many."""
+    if not fc2:
+        raise ValueError("no linear_fc2 beside linear_fc1 to tell whether it holds gate|up fused")
+    rows, inputs = fc1[0].shape[0], _load(fc2[0]).shape[-1]
+    if rows not in (inputs, 2 * inputs):
+        raise ValueError(f"linear_fc1's {rows} rows are neither linear_fc2's {inputs} inputs nor twice them")
+    return rows // inputs
+
+
+def _loss(files: list[_File]) -> Value:
+    """The loss without dims: the same value on every rank is the loss reduced over them (as megatron
+    reports it), checked as a replica; values that differ are per-rank parts whose reduction (a sum,
+    a mean) the dump does not record: unverifiable, which is no divergence."""
+    if len(files) == 1 or _dims(files[0]):
+        return _reassemble(files)
+    tensors = [_load(f) for f in files]
+    if all(torch.equal(t, tensors[0]) for t in tensors[1:]):
+        return tensor_value(tensors[0])
+    return Value(shape=list(tensors[0].shape), dtype=str(tensors[0].dtype).removeprefix("torch."),
+                 unverifiable=f"differs between its {len(files)} ranks, which dumped it without dims: per-rank "
+                              "parts whose reduction (a sum or a mean over ranks) the dump does not record")
+
+
 def _reassemble(files: list[_File]) -> Value:
     if len(files) == 1:
         return tensor_value(_load(files[0]))
-    dims = files[0].meta.get("dims")
-    if not isinstance(dims, str) or not dims.strip():
+    dims = _dims(files[0])
+    if dims is None:
         first = _load(files[0])
         return Value(shape=list(first.shape), dtype=str(first.dtype).removeprefix("torch."),
                      problem=f"dumped by {len(files)} ranks without dims: shards and replicas cannot be told apart")
@@ -243,4 +308,4 @@ def _undo(split: _Split, parts: list[torch.Tensor]) -> torch.Tensor:
         return total.to(parts[0].dtype)
     if split.zigzag:
         return merge_cp(parts, split.dim)
-    return torch.cat(parts, dim=split.dim)
+    return merge_tp(parts, split.dim, split.parts)

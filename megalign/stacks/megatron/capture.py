@@ -19,6 +19,7 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
 from megalign.dump.dumper import Dumper
 from megalign.spec import ModelConfig
@@ -68,7 +69,7 @@ def output_sharding(module: torch.nn.Module, name: str, tensor: torch.Tensor, lo
     leaf = name.rsplit(".", 1)[-1]
     if any(k in kind for k in _TP_LAST_DIM) and not getattr(module, "gather_output", False):
         # Index 1 of a column-parallel linear is its (skipped) bias: a shard with no sequence dim.
-        parts = 2 if model_config.swiglu and leaf == "linear_fc1" else 1
+        parts = 2 if model_config.swiglu and gated_linear(leaf) else 1
         return replace(sharding, tp_dim=tensor.ndim - 1, tp_parts=parts)
     if leaf in _QK_NORMS:
         return replace(sharding, tp_dim=tensor.ndim - 2)  # [s, b, heads/tp, head_dim]

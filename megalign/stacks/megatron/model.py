@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
 from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec
 from megalign.stacks.batch import DTYPES
@@ -189,7 +190,7 @@ def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Paramet
     (`allreduce` False) are split over the expert TP ranks, which are the TP ranks or (ETP=1) none."""
     if not getattr(param, "tensor_model_parallel", False) or _tp_size(param) == 1:
         return Sharding()
-    fused = 2 if model_config.swiglu and ".linear_fc1." in name else 1
+    fused = 2 if model_config.swiglu and gated_linear(name) else 1
     return Sharding(tp_dim=param.partition_dim, tp_parts=fused)
 
 

@@ -1,0 +1,44 @@
+"""A user's loop under torch's tensor parallelism (tp_train.py: column-, sequence- and row-parallel
+layers, SGD with gradient clipping, two steps) dumped under torchrun on gloo: its parameters and
+gradients are DTensors of every placement (Shard(0), Shard(1), Replicate, and Partial(sum) gradients
+that compare sums), and world 2 agrees with one process; clipping by a norm of the local gradients
+only is caught at the next step's parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import megalign
+from tests.conftest import invoke
+from tests.trainer.torchruns import dump_all
+
+SCRIPT = Path(__file__).with_name("tp_train.py")
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> dict[str, Path]:
+    return dump_all(tmp_path_factory.mktemp("torch_tp"), SCRIPT,
+                    {"tp1": (1, ()), "tp2": (2, ()), "tp2_bug": (2, ("--bug", "local-norm"))})
+
+
+def test_every_placement_is_recorded_from_the_dtensor(dumps):
+    tp2 = megalign.open(dumps["tp2"])
+    placements = {name: [s.sharding.mesh.placements for s in tp2.shards("param_grad", f"step0/{name}")]
+                  for name in ("0.weight", "1.weight", "2.weight", "2.bias")}
+    assert placements == {"0.weight": [("S0",)] * 2, "1.weight": [("P",)] * 2, "2.weight": [("S1",)] * 2,
+                          "2.bias": [("R",)] * 2}
+
+
+def test_tp2_equals_one_process(dumps):
+    result = invoke("compare", dumps["tp1"], dumps["tp2"])
+    assert result.exit_code == 0, result.output
+    assert "26 compared, 26 passed, 0 failed\n" in result.output
+
+
+def test_clipping_by_the_local_norm_is_caught_at_the_next_steps_parameters(dumps):
+    result = invoke("compare", dumps["tp1"], dumps["tp2_bug"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param step1/" in result.output

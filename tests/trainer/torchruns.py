@@ -1,0 +1,35 @@
+"""Launching a user's training script under torchrun on gloo, as a user does, dumping through
+MEGALIGN_DUMP (megalign.Dumper.from_env in the script)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).parents[2]
+
+
+def start(out: Path, *args: str, script: Path, steps: str = "", ranks: int = 2) -> subprocess.Popen:
+    """`script` under torchrun with `ranks` gloo ranks, dumping into `out` (MEGALIGN_DUMP)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MEGALIGN_DUMP": str(out)}
+    env.pop("MEGALIGN_DUMP_STEPS", None)
+    if steps:
+        env["MEGALIGN_DUMP_STEPS"] = steps
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                             str(ranks), str(script), *args], cwd=out.parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(*runs: subprocess.Popen) -> None:
+    for run in runs:
+        output, _ = run.communicate(timeout=300)
+        assert run.returncode == 0, output[-4000:]
+
+
+def dump_all(root: Path, script: Path, runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, Path]:
+    """Every run of `script` (name: its ranks and arguments) side by side, each dumping into root/name."""
+    made = {name: root / name for name in runs}
+    finish(*(start(made[name], *args, script=script, ranks=ranks) for name, (ranks, args) in runs.items()))
+    return made
