@@ -21,6 +21,8 @@ $(BIN)/.installed: pyproject.toml constraints.txt Makefile
 	# The test extras: pytest, hypothesis, and gguf + accelerate, with which transformers reads the real
 	# checkpoint's GGUF file (tests/real_checkpoint.py).
 	$(PIP) -e '.[test]'
+	# An editable install leaves megalign's own sources uncompiled: each worker rank would compile them.
+	$(BIN)/python -m compileall -q megalign
 	# sglang only for its dumper (tests write sglang-format dumps with sglang's own code); its
 	# package pins a CUDA torch, so it goes in without dependencies (shared/NOTES.md).
 	$(PIP) --no-deps sglang==0.5.23

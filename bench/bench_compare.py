@@ -20,7 +20,7 @@ compare process's peak RSS increase (VmHWM during the comparison minus VmRSS bef
 largest tensor (goal: 2x). The compare process loads its compiled kernels before the clock starts,
 as it imports torch before; that one-time load is printed too, as a ratio to the same read.
 
-usage: python bench/bench_compare.py [--pairs synthetic real llama-cp] [--dumps A B] [--keep DIR]
+usage: python bench/bench_compare.py [--pairs synthetic real llama-cp] [--dumps A B [--once]] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from megalign.dump.format import DUMP_META, FORMAT, VERSION, RankCoords, write_json_atomic
-from megalign.dump.sharding import Sharding, zigzag_chunks
+from megalign.dump.layout import zigzag_chunks
+from megalign.dump.sharding import Sharding
 from megalign.dump.writer import RankWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,13 +148,16 @@ def largest_tensor_bytes(*dumps: Path) -> int:
     return max(math.prod(r.shape) * getattr(torch, r.dtype).itemsize for d in dumps for _, r in Dump.open(d).records())
 
 
-def measure(a: Path, b: Path, expected: str = "any") -> dict:
+def measure(a: Path, b: Path, expected: str = "any", once: bool = False) -> dict:
+    """`once`: one run of the read and of compare on all cores, for pairs of tens of GiB."""
+    runs = 1 if once else RUNS
     total = sum(p.stat().st_size for root in (a, b) for p in root.rglob("*.safetensors"))
-    read = min(run(_READ, str(a), str(b))[0] for _ in range(RUNS))
+    read = min(run(_READ, str(a), str(b))[0] for _ in range(runs))
     # The fastest of three runs of each (the least disturbed: this machine is shared), and its memory.
-    one = min(run(_COMPARE, str(a), str(b), expected, "1")[0] for _ in range(RUNS))
-    every, peak, kernels = min(run(_COMPARE, str(a), str(b), expected, "all") for _ in range(RUNS))
-    return {"dumps_gib": round(total / 2**30, 2), "compare_over_read_1_core": round(one / read, 2),
+    one = {} if once else {"compare_over_read_1_core": round(
+        min(run(_COMPARE, str(a), str(b), expected, "1")[0] for _ in range(runs)) / read, 2)}
+    every, peak, kernels = min(run(_COMPARE, str(a), str(b), expected, "all") for _ in range(runs))
+    return {"dumps_gib": round(total / 2**30, 2), "read_s": round(read, 2), "compare_s": round(every, 2), **one,
             f"compare_over_read_{os.cpu_count()}_cores": round(every / read, 2),
             "peak_rss_increase_over_largest_tensor": round(peak / largest_tensor_bytes(a, b), 2),
             "kernel_load_over_read": round(kernels / read, 2)}
@@ -165,10 +169,12 @@ def main() -> None:
                         default=["synthetic", "real", "llama-cp"])
     parser.add_argument("--dumps", nargs=2, type=Path, metavar=("A", "B"),
                         help="measure these two existing dumps instead (bench/gpu.sh: the 0.5B gradient dumps)")
+    parser.add_argument("--once", action="store_true",
+                        help="with --dumps: one run of each, all cores only (bench/gpu.sh's scale stage)")
     parser.add_argument("--keep", type=Path, help="write the dumps here and keep them (default: a temp folder)")
     args = parser.parse_args()
     if args.dumps:
-        print(json.dumps({"dumps": [str(d) for d in args.dumps], **measure(*args.dumps)}))
+        print(json.dumps({"dumps": [str(d) for d in args.dumps], **measure(*args.dumps, once=args.once)}))
         return
     root = args.keep or Path(tempfile.mkdtemp(prefix="megalign-bench-"))
     try:

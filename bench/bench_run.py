@@ -54,8 +54,8 @@ def forward_memory(config: Path, ddp: bool, device: str) -> dict:
     from megalign.run.tokens import default_tokens
     from megalign.spec import ModelConfig, RunSpec
     from megalign.stacks.batch import batch_rows, build_batch
-    from megalign.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
-                                                          transformer_config)
+    from megalign.stacks.megatron.model import build_model, load_weights, transformer_config
+    from megalign.stacks.seeded import seeded_weights
 
     dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
@@ -66,7 +66,7 @@ def forward_memory(config: Path, ddp: bool, device: str) -> dict:
     before = rss_bytes()
     torch_config = transformer_config(spec)
     model = build_model(spec, torch_config)
-    load_full_weights(model, model_config, seeded_weights(spec.seed, model_config.init_method_std))
+    load_weights(model, model_config, seeded_weights(spec.seed, model_config.init_method_std))
     if ddp:
         model = DistributedDataParallel(torch_config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     model.train(False)

@@ -8,6 +8,9 @@
 #   QUICK=1 DEVICE=cpu bash bench/gpu.sh  (a dry run of the script itself on a CPU, tiny model only)
 #   STAGE=runs, then STAGE=bench          (two calls on one machine, each within a call's time limit:
 #                                          the bench stage reads the dumps the runs stage left)
+#   STAGE=scale                           (one call on its own: the 8B-wide model, bench/llama-8b-wide.yaml,
+#                                          2x2048 tokens, bf16 and fp32 backward with full dumps, a stats-only
+#                                          run and their compare; bench/scale_figures.py prints the figures)
 #
 # Needs megatron-core importable; where a folder .whl holds its wheel, it is installed from there
 # first (the lent GPU machines reach no package index).
@@ -22,11 +25,13 @@ STAGE=${STAGE:-all}
 mkdir -p "$OUTDIR" "$LOGS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/megalign-site .whl/*.whl || exit 1
+  # Bytecode compiled at install: each rank would otherwise compile megatron-core's sources as it imports them.
+  python3 -m pip install -q --no-index --no-deps --target /tmp/megalign-site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/megalign-site:$PWD
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+python3 -m compileall -q megalign
 M="python3 -m megalign"
 RESULTS="$OUTDIR/results.txt"
 : >"$RESULTS"
@@ -34,15 +39,41 @@ RESULTS="$OUTDIR/results.txt"
   python3 -c 'import torch, megatron.core as m; print("torch", torch.__version__, "megatron-core", m.__version__)'; } \
   | tee "$OUTDIR/machine.txt"
 
-# expect NAME WANTED_RC COMMAND...: run it, keep its log, record whether its exit code was the wanted one.
+# expect NAME WANTED_RC COMMAND...: run it, keep its log, record whether its exit code was the wanted one,
+# and its wall time in $LOGS/walls.txt.
 expect() {
   local name=$1 wanted=$2; shift 2
-  local start=$SECONDS
+  local start=$EPOCHREALTIME
   "$@" >"$LOGS/$name.log" 2>&1
   local rc=$?
+  local wall; wall=$(python3 -c "print(f'{$EPOCHREALTIME - $start:.1f}')")
+  echo "$name $wall" >>"$LOGS/walls.txt"
   local verdict=ok; [ "$rc" = "$wanted" ] || verdict=FAILED
-  printf '%-34s exit %s (wanted %s)  %4ss  %s\n' "$name" "$rc" "$wanted" $((SECONDS - start)) "$verdict" | tee -a "$RESULTS"
+  printf '%-34s exit %s (wanted %s)  %6ss  %s\n' "$name" "$rc" "$wanted" "$wall" "$verdict" | tee -a "$RESULTS"
 }
+
+# The scale stage: the 8B-wide model at 2x2048 tokens (QUICK=1: the tiny model at 2x32). The stats-only run goes first (its dump is
+# small): the two full dumps are about 60 GiB together on a disk of 64 GiB.
+if [ "$STAGE" = scale ]; then
+  s=$DUMPS/scale
+  mkdir -p "$s"
+  cfg=bench/llama-8b-wide.yaml; n=2048
+  [ -n "${QUICK:-}" ] && { cfg=configs/tiny.yaml; n=32; }  # a dry run of the stage itself
+  python3 -c "import json, random; from megalign.spec import ModelConfig; r = random.Random(0); \
+vocab = ModelConfig.from_yaml('$cfg').vocab_size; print(json.dumps([[r.randrange(vocab) for _ in range($n)]] * 2))" \
+    >"$s/tokens.json"
+  big="-c $cfg --tokens $s/tokens.json --device $DEVICE"
+  expect "scale-bwd-bf16-stats-only" 0 $M backward $big --dtype bf16 --stats-only --out "$s/bf16-stats"
+  expect "scale-bwd-bf16" 0 $M backward $big --dtype bf16 --out "$s/bf16"
+  expect "scale-bwd-fp32" 0 $M backward $big --out "$s/fp32"
+  expect "scale-compare-bf16-vs-fp32" 0 $M compare "$s/bf16" "$s/fp32"
+  expect "bench-compare-scale" 0 python3 bench/bench_compare.py --dumps "$s/bf16" "$s/fp32" --once
+  python3 bench/scale_figures.py "$s" "$LOGS/walls.txt" "$LOGS/bench-compare-scale.log" | tee "$OUTDIR/scale.txt"
+  cp "$LOGS"/scale-*.log "$OUTDIR"/ 2>/dev/null
+  echo "== results"; cat "$RESULTS"
+  ! grep -q FAILED "$RESULTS"
+  exit
+fi
 
 models="tiny"
 [ -z "${QUICK:-}" ] && models="tiny qwen2-0.5b"

@@ -109,7 +109,7 @@ def read_tensors(checkpoint: HFCheckpoint, names) -> list[torch.Tensor]:
 
 
 def megatron_weights(checkpoint: HFCheckpoint) -> Callable[[str, tuple], torch.Tensor]:
-    """The `full(global_name, full_shape)` that model.load_full_weights slices to each rank's shard."""
+    """The `full(global_name, full_shape)` that shard.from_full cuts to each rank's shard."""
     params = checkpoint.names.params()
 
     def full(name: str, shape: tuple) -> torch.Tensor:

@@ -1,18 +1,16 @@
 """Building megatron-core's GPTModel for one rank, with weights that do not depend on the layout.
 
-Weights are drawn per parameter from a generator seeded by (seed, global parameter name) at the
-parameter's full, unsharded shape and then sliced to this rank's TP shard, so TP=1, TP=2, PP=2 and
-CP=N all hold the same numbers. `load_full_weights` is the one place a full tensor becomes a shard;
-checkpoint loading goes through it too.
+Every parameter is set from a weight source asked for this rank's Shard of the parameter's full,
+unsharded tensor, by global name (stacks/shard.py): seeded weights (stacks/seeded.py) draw only
+that shard, a checkpoint's full tensors are cut to it; so TP=1, TP=2, PP=2 and CP=N all hold the
+same numbers. `load_weights` is the one place a parameter's shard is worked out.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import re
-import zlib
 from dataclasses import replace
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +21,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
-from megalign.errors import UserError
 from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec
 from megalign.stacks.batch import DTYPES
+from megalign.stacks.shard import Shard, WeightSource
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?=\.|$)")
@@ -202,8 +200,8 @@ def is_duplicate_embedding(name: str, param: torch.nn.Parameter) -> bool:
         parallel_state.is_pipeline_first_stage()
 
 
-def load_full_weights(model: GPTModel, model_config: ModelConfig, full: Callable[[str, tuple], torch.Tensor]) -> None:
-    """Set every parameter from `full(global_name, full_shape)`, sliced to this rank's TP shard."""
+def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSource) -> None:
+    """Set every parameter from `weights(global_name, its Shard)`."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for local, param in model.named_parameters():
@@ -215,12 +213,7 @@ def load_full_weights(model: GPTModel, model_config: ModelConfig, full: Callable
             shape = list(param.shape)
             if sharding.tp_dim is not None:
                 shape[sharding.tp_dim] *= tp_size
-            value = full(name, tuple(shape))
-            if tuple(value.shape) != tuple(shape):
-                raise UserError(f"weight {name}: expected shape {tuple(shape)}, got {tuple(value.shape)}")
-            if sharding.tp_dim is not None:
-                value = tp_shard(value, sharding, tp_rank, tp_size)
-            param.copy_(value.to(param.dtype))
+            param.copy_(weights(name, Shard(tuple(shape), sharding, tp_rank, tp_size, param.dtype, param.device)))
 
 
 def _is_expert(param: torch.nn.Parameter) -> bool:
@@ -231,22 +224,3 @@ def _tp_size(param: torch.nn.Parameter) -> int:
     if _is_expert(param):
         return parallel_state.get_expert_tensor_parallel_world_size()
     return parallel_state.get_tensor_model_parallel_world_size()
-
-
-def tp_shard(full: torch.Tensor, sharding: Sharding, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This rank's slice of a full tensor: the inverse of sharding.merge_tp."""
-    parts = full.chunk(sharding.tp_parts, dim=sharding.tp_dim)
-    return torch.cat([p.chunk(tp_size, dim=sharding.tp_dim)[tp_rank] for p in parts], dim=sharding.tp_dim)
-
-
-def seeded_weights(seed: int, std: float) -> Callable[[str, tuple], torch.Tensor]:
-    """Random weights keyed by name: N(0, std) for matrices and biases, 1 + N(0, std) for norm scales."""
-
-    def full(name: str, shape: tuple) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        value = torch.randn(shape, generator=generator) * std
-        if "norm" in name.split(".")[-2] and name.endswith(".weight") or name.endswith("layer_norm_weight"):
-            value += 1.0
-        return value
-
-    return full

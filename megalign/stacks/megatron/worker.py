@@ -18,6 +18,8 @@ from pathlib import Path
 from megalign.spec import RunSpec
 from megalign.stacks.events import emit, failures_reported
 
+LOADED = time.monotonic()  # the rank's start-up (dump.json's start_s) counts from here
+
 
 def run_worker(spec: RunSpec) -> None:
     rank = int(os.environ.get("RANK", "0"))
@@ -26,15 +28,7 @@ def run_worker(spec: RunSpec) -> None:
 
 
 def _run(spec: RunSpec, rank: int) -> None:
-    if spec.device == "cpu":
-        from megalign.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
-
-        install_import_stubs()
-        apply_cpu_patches()
-    else:
-        from megalign.stacks.megatron.cpu_patches import apply_te_stand_ins
-
-        apply_te_stand_ins()
+    _import_megatron(spec.device)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -53,10 +47,10 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megalign.stacks.megatron.capture import ActivationCapture
     from megalign.stacks.megatron.grads import collect_param_grads
     from megalign.stacks.megatron.loss import token_loss
-    from megalign.stacks.megatron.model import (build_model, load_full_weights, seeded_weights,
-                                                          transformer_config)
+    from megalign.stacks.megatron.model import build_model, load_weights, transformer_config
     from megalign.stacks.megatron.packing import packed_seq_params, split_packed_over_cp
     from megalign.stacks.precision import precision
+    from megalign.stacks.seeded import seeded_weights
 
     started = time.monotonic()
     if spec.device == "cuda":
@@ -77,20 +71,23 @@ def _run(spec: RunSpec, rank: int) -> None:
     model_parallel_cuda_manual_seed(spec.seed)
     config = transformer_config(spec)
     model = build_model(spec, config)
+    weights_from = time.monotonic()
     if spec.load:
         from megalign.stacks.megatron.checkpoint import load_checkpoint
 
         load_checkpoint(model, Path(spec.load), spec.model)
     elif spec.hf:
         from megalign.stacks.hf.checkpoint import megatron_weights, open_checkpoint
+        from megalign.stacks.shard import from_full
 
-        load_full_weights(model, spec.model, _planted_weights(megatron_weights(open_checkpoint(Path(spec.hf)))))
+        load_weights(model, spec.model, _planted_weights(from_full(megatron_weights(open_checkpoint(Path(spec.hf))))))
     else:
-        load_full_weights(model, spec.model, _planted_weights(seeded_weights(spec.seed, spec.model.init_method_std)))
+        load_weights(model, spec.model, _planted_weights(seeded_weights(spec.seed, spec.model.init_method_std)))
     if spec.save:
         from megalign.stacks.megatron.checkpoint import save_checkpoint
 
         save_checkpoint(model, Path(spec.save), spec)
+    weights_s = time.monotonic() - weights_from
     emit("built", rank)
     _inject_fault(rank)
 
@@ -152,12 +149,29 @@ def _run(spec: RunSpec, rank: int) -> None:
     if backward:
         manifest["grad_coverage"] = collect_param_grads(chunk, model, dumper, spec)
     dumper.close(manifest, lambda: run_meta(spec, elapsed_s=time.monotonic() - started,
-                                            rows=[row.to_dict() for row in rows], cp_split=spec.cp_split))
+                                            rows=[row.to_dict() for row in rows], cp_split=spec.cp_split,
+                                            start_s=round(started - LOADED, 3), weights_s=round(weights_s, 3)))
     loss = float(reduced[0]["loss"]) if reduced else None
     emit("written", rank, tensors=len(dumper.records), bytes=dumper.bytes_written, loss=loss)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     emit("done", rank)
+
+
+def _import_megatron(device: str) -> None:
+    """The patches the device needs, which import megatron-core: without torch's compiler (imports.py)."""
+    from megalign.stacks.megatron.imports import compile_on_first_call
+
+    with compile_on_first_call():
+        if device == "cpu":
+            from megalign.stacks.megatron.cpu_patches import apply_cpu_patches, install_import_stubs
+
+            install_import_stubs()
+            apply_cpu_patches()
+        else:
+            from megalign.stacks.megatron.cpu_patches import apply_te_stand_ins
+
+            apply_te_stand_ins()
 
 
 def _inject_fault(rank: int) -> None:
@@ -182,10 +196,10 @@ def _planted_weights(weights):
     if kind != "perturb-router":
         return weights
 
-    def planted(name: str, shape: tuple):
-        value = weights(name, shape)
-        if name == f"decoder.layers.{layer}.mlp.router.weight":
-            value = value + 0.5 * value.std() * torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    def planted(name: str, shard):
+        value = weights(name, shard)
+        if name == f"decoder.layers.{layer}.mlp.router.weight":  # a replica on every rank: the shard is whole
+            value = value + 0.5 * value.std() * torch.randn(shard.shape, generator=torch.Generator().manual_seed(0))
         return value
 
     return planted
