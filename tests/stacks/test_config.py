@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,15 @@ def test_every_cpu_patch_target_still_exists_in_megatron_core():
     for patch in PATCHES:
         patch.check()
     assert len(PATCHES) >= 6
+
+
+def test_the_start_up_patch_target_still_exists_in_megatron_core():
+    """stacks/megatron/imports.py defers torch.compile while megatron-core is imported, because
+    megatron.core.jit makes its jit_fuser torch.compile at import; were that gone, the patch would be
+    dead code."""
+    from megalign.stacks.megatron.cpu_patches import install_import_stubs
+
+    install_import_stubs()
+    import megatron.core.jit as jit
+
+    assert "jit_fuser = torch.compile" in inspect.getsource(jit.enable_jit_fuser)
