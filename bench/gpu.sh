@@ -93,6 +93,8 @@ for model in $models; do
   expect "$model-compare-$DEVICE-vs-cpu" 0 $M compare "$d/bwd-fp32" "$d/cpu-fp32" --json "$LOGS/$model-gpu-vs-cpu.jsonl"
   expect "$model-compare-bf16-vs-fp32" 0 $M compare "$d/bwd-bf16" "$d/bwd-fp32"
   expect "$model-compare-fwd-bf16-vs-fp32" 0 $M compare "$d/fwd-bf16" "$d/fwd-fp32"
+  expect "$model-bwd-$DEVICE-fp32-stats" 0 $M backward --device "$DEVICE" -c "$cfg" --stats-only --out "$d/bwd-fp32-stats"
+  expect "$model-compare-stats-vs-full" 0 $M compare "$d/bwd-fp32" "$d/bwd-fp32-stats"
   expect "$model-compare-planted-local" 1 $M compare "$d/bwd-fp32" "$d/cpu-cp2-local"
   [ "$model" = tiny ] && expect "$model-compare-fp64-$DEVICE-vs-cpu" 0 $M compare "$d/bwd-fp64" "$d/cpu-fp64"
   expect "$model-compare-ref-$DEVICE-vs-cpu" 0 $M compare "$d/bwd-fp32" "$d/cpu-fp32" --reference "$d/bwd-fp64"
@@ -102,7 +104,7 @@ done
 
 # The writer's device path (parameter gradients streamed through pinned buffers), where pytest is.
 if [ "$STAGE" != bench ] && python3 -c "import pytest" 2>/dev/null; then
-  expect "pytest-device-writer" 0 python3 -m pytest -q -p no:cacheprovider tests/compare/test_fast_paths.py -k device
+  expect "pytest-device-writer" 0 python3 -m pytest -q -p no:cacheprovider tests/compare/test_fast_paths.py tests/unit/test_stats.py -k device
 fi
 
 # The training layouts that fit one device: a packed (THD) row against the padded CPU run; the MoE
@@ -123,6 +125,7 @@ if [ -z "${QUICK:-}" ] && [ "$STAGE" != runs ]; then
   big=configs/qwen2-0.5b.yaml
   expect "bench-run-0.5b" 0 python3 bench/bench_run.py --device "$DEVICE" --config "$big" --repeats 4
   expect "bench-writer" 0 python3 bench/bench_writer.py --device "$DEVICE"
+  expect "bench-trainer" 0 python3 bench/bench_trainer.py --device "$DEVICE"
   expect "bench-compare-0.5b-grads" 0 python3 bench/bench_compare.py \
     --dumps "$DUMPS/qwen2-0.5b/bwd-fp32" "$DUMPS/qwen2-0.5b/cpu-fp32"
 fi

@@ -29,3 +29,11 @@ def test_a_sign_flip_changes_the_summary():
     x = CASES["normal"]
     assert device_summary(-x)[0] == pytest.approx(-device_summary(x)[0])
     assert device_summary(-x)[0] != device_summary(x)[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.sh runs it)")
+@pytest.mark.parametrize("name", CASES)
+def test_on_a_device_the_summary_reads_back_as_the_cpu_statistics(name):
+    x = CASES[name]
+    ours = TensorStats.from_summary(x.numel(), device_summary(x.cuda()).tolist())
+    assert ours.to_dict() == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-5, nan_ok=True)
