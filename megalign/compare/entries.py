@@ -95,6 +95,9 @@ class Source:
     # excuses a submodule only between stacks or kernels that differ in it).
     stack: Optional[str] = None
     kernel: Optional[str] = None
+    # Its padding holds no values (an sglang server's requests, lined up by position): token tensors are
+    # compared by their real tokens even against a run whose rows look the same (lineup.py).
+    tokens_only: bool = False
 
 
 def phase(kind: Optional[str]) -> int:

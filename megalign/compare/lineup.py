@@ -24,7 +24,7 @@ def line_up(*sources: Optional[Source]) -> list[Optional[Source]]:
     """The sources with token tensors mapped to real tokens where their rows differ; else unchanged."""
     present = [s for s in sources if s is not None]
     rows = [s.rows for s in present]
-    if any(r is None for r in rows) or all(r == rows[0] for r in rows):
+    if any(r is None for r in rows) or (all(r == rows[0] for r in rows) and not any(s.tokens_only for s in present)):
         return list(sources)  # the same batch on every side (or a format that does not say): nothing to map
     return [None if s is None else replace(s, entries=[_line_up(e, s.rows) for e in s.entries]) for s in sources]
 

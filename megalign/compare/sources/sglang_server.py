@@ -41,6 +41,7 @@ class ServerDump:
     folder: Path
     requests: list[Request]  # in the order they first appear
     steps: dict[int, dict[str, object]]  # step -> name -> value (the files of rank 0)
+    order: dict[str, int] = field(default_factory=dict)  # name -> its first dump_index: execution order
 
     def tokens(self) -> list[list[int]]:
         """Each request's tokens in position order (0 to its longest), where every position is known."""
@@ -67,11 +68,13 @@ class ServerDump:
 def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
     """Read the core fields of every pass of `rank` and line the tokens up by request and position."""
     steps: dict[int, dict[str, object]] = defaultdict(dict)
+    order: dict[str, int] = {}
     for file in dump_files(folder):
         fields = parse_filename(file)
         if fields["rank"] != rank:
             continue
         steps[fields["step"]][fields["name"]] = unwrap(load_pt(file))[0]
+        order[fields["name"]] = min(order.get(fields["name"], fields["dump_index"]), fields["dump_index"])
     steps = {s: v for s, v in steps.items() if all(k in v for k in CORE)}
     if not steps:
         raise UserError(f"{folder}: no pass with all of {', '.join(CORE)} (a server's dumper writes them every "
@@ -79,7 +82,7 @@ def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
     requests: dict[str, Request] = {}
     for step in sorted(steps):
         _cut(folder, step, steps[step], requests)
-    return ServerDump(folder=Path(folder), requests=list(requests.values()), steps=steps)
+    return ServerDump(folder=Path(folder), requests=list(requests.values()), steps=steps, order=order)
 
 
 def _cut(folder: Path, step: int, values: dict, requests: dict[str, Request]) -> None:
