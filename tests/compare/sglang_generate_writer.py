@@ -52,8 +52,8 @@ class Server:
             self.output(layer.self_attn, f"{name}.self_attn")
             self.output(layer.post_attention_layernorm, f"{name}.post_attention_layernorm", residual=True)
             layer.mlp.gate_proj.register_forward_hook(lambda m, a, out, i=i: self.held.update({i: out}))
-            layer.mlp.up_proj.register_forward_hook(
-                lambda m, a, out, n=name, i=i: self.dump(f"{n}.mlp.gate_up_proj.output", torch.cat([self.held.pop(i), out], -1)))
+            layer.mlp.up_proj.register_forward_hook(lambda m, a, out, n=name, i=i: self.dump(
+                f"{n}.mlp.gate_up_proj.output", torch.cat([self.held.pop(i), out], -1)))
             layer.mlp.down_proj.register_forward_pre_hook(
                 lambda m, args, n=name: self.dump(f"{n}.mlp.act_fn.output", args[0]))
             self.output(layer.mlp.down_proj, f"{name}.mlp.down_proj")
