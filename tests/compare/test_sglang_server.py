@@ -87,8 +87,9 @@ def generated(tmp_path_factory):
     """{"plain": folder, "swap": folder, "tokens": tokens.json}: generate's passes as a server dumps them, and
     with the two requests' rows of the last decode pass swapped (both processes at once)."""
     out = tmp_path_factory.mktemp("generate")
-    runs = {kind: subprocess.Popen([sys.executable, str(GENERATE), str(out / kind), kind], stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True, cwd=GENERATE.parent) for kind in ("plain", "swap")}
+    runs = {kind: subprocess.Popen([sys.executable, str(GENERATE), str(out / kind), kind], cwd=GENERATE.parent,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for kind in ("plain", "swap")}
     for run in runs.values():
         _, stderr = run.communicate(timeout=600)
         assert run.returncode == 0, stderr[-3000:]
