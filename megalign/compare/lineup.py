@@ -26,7 +26,29 @@ def line_up(*sources: Optional[Source]) -> list[Optional[Source]]:
     rows = [s.rows for s in present]
     if any(r is None for r in rows) or (all(r == rows[0] for r in rows) and not any(s.tokens_only for s in present)):
         return list(sources)  # the same batch on every side (or a format that does not say): nothing to map
-    return [None if s is None else replace(s, entries=[_line_up(e, s.rows) for e in s.entries]) for s in sources]
+    lined = [None if s is None else replace(s, entries=[_line_up(e, s.rows) for e in s.entries]) for s in sources]
+    return [None if s is None else _cut_to_tokens(s, [o for o in lined if o is not None and o is not s])
+            for s in lined]
+
+
+def _cut_to_tokens(source: Source, others: list[Source]) -> Source:
+    """The source with each tensor that another side holds at some real tokens only cut to those tokens."""
+    some = {(e.kind, e.name): e.tokens for other in others for e in other.entries if e.tokens is not None}
+    if not some:
+        return source
+
+    def cut(entry: Entry, tokens: list[int]) -> Entry:
+        def load() -> Value:
+            value = entry.load()
+            if value.problem or value.tensor is None:
+                return value
+            tensor = value.tensor[torch.tensor(tokens, device=value.tensor.device)]
+            return replace(value, shape=list(tensor.shape), tensor=tensor)
+
+        return replace(entry, load=load, shape=None, nbytes=None)
+
+    return replace(source, entries=[cut(e, some[(e.kind, e.name)]) if (e.kind, e.name) in some and e.tokens is None
+                                    else e for e in source.entries])
 
 
 def _line_up(entry: Entry, rows: list[BatchRow]) -> Entry:

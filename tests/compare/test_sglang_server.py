@@ -105,8 +105,9 @@ def compare(tmp_path, a, b):
 
 
 def test_generate_as_a_server_matches_megalign_forward_layer_by_layer(generated, dump, tmp_path):
-    """Every layer's activations of the cached decode steps, lined up by token, against the full forward:
-    exit 0, either order; the one-sided rows are the op map's (fused qkv_proj, labels, logits, ...)."""
+    """Every layer's activations of the cached decode steps, lined up by token, and the next-token logits at
+    the tokens they were computed for, against the full forward: exit 0, either order; the one-sided rows
+    are the op map's (megatron's linear_qkv, labels, loss, ...)."""
     forward = dump("forward", "--stack", "hf", "--hf", build(), "--tokens", generated["tokens"])
     assert json.loads(generated["tokens"].read_text()) == open_server_dump(generated["plain"]).tokens()
     for a, b in ((generated["plain"], forward), (forward, generated["plain"])):
@@ -115,7 +116,8 @@ def test_generate_as_a_server_matches_megalign_forward_layer_by_layer(generated,
         assert "sglang server dump: 4 passes, 2 requests, 18 tokens" in result.output
         passed = {name for name, row in rows.items() if row["status"] == "pass"}
         layers = 30
-        assert {"tokens", "position_ids", "embedding", "decoder.final_layernorm"} <= passed
+        assert {"tokens", "position_ids", "embedding", "decoder.final_layernorm", "logits"} <= passed
+        assert rows["logits"]["shape_a"][0] == 8  # next-token logits: 4 passes of 2 requests
         assert all(f"decoder.layers.{i}.{m}" in passed for i in range(layers) for m in (
             "input_layernorm", "self_attention.core_attention", "self_attention.linear_proj", "self_attention",
             "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2#input", "mlp.linear_fc2", "mlp"))
@@ -129,5 +131,7 @@ def test_two_requests_decode_steps_swapped_in_a_server_fail_at_their_tokens(gene
     assert result.exit_code == 1, result.output
     assert summary["first_divergence"] == "activation embedding"
     # The real tokens, request after request: a's last (8) and b's last (17), the swapped pass's.
-    worst = {row["metrics"]["max_abs_index"][0] for row in rows.values() if row["status"] == "fail"}
+    worst = {row["metrics"]["max_abs_index"][0] for row in rows.values() if row["status"] == "fail" and row["kind"] ==
+             "activation"}
     assert worst == {8, 17} and summary["failed"] == summary["compared"] - 2  # all but tokens and positions
+    assert rows["logits"]["status"] == "fail" and rows["logits"]["metrics"]["max_abs_index"][0] in (3, 7)

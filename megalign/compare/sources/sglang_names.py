@@ -33,6 +33,8 @@ _MAP = tuple((re.compile(pattern + "$"), target) for pattern, target in (
     (_LAYER, "decoder.layers.{0}"),
     (r"model\.norm", "decoder.final_layernorm"),
 ))
+# The logits processor's output: one row per request a pass, its last token's next-token logits.
+PER_REQUEST = {"logits_processor.output.next_token_logits": "logits"}
 # The layer outputs: megatron's is the sum of sglang's two tensors (the MLP's output and the residual).
 SUMMED = re.compile(_LAYER + "$")
 

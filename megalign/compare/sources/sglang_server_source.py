@@ -4,8 +4,9 @@ The passes are cut by request and position (sglang_server.py); every per-token t
 token of every pass that dumped it) is lined up as [sequence, position, ...] and named as megalign
 names it (sglang_names.py). The rows are one per request, without padding, and `tokens_only` makes
 compare line both sides up by their real tokens even where a megalign run's rows look the same.
-Tensors that are not per token (a pass's next-token logits: one row per request) or that have no
-megalign name are left out, and counted in the description.
+The logits processor's next-token logits (one row per request a pass, at its last token in the pass)
+are compared at those tokens only (Entry.tokens). Tensors with no megalign name are left out, and
+counted in the description.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from megalign.compare.entries import Entry, Source, Value
 from megalign.compare.sources.plain import tensor_value
 from megalign.compare.sources.sglang import dump_files, logical_name, parse_filename
-from megalign.compare.sources.sglang_names import SUMMED, megatron_name
+from megalign.compare.sources.sglang_names import PER_REQUEST, SUMMED, megatron_name
 from megalign.compare.sources.sglang_server import CORE, ServerDump, fill_prefixes, open_server_dump
 from megalign.dump.format import layer_of
 from megalign.dump.layout import BatchRow
@@ -46,14 +47,16 @@ def open_server(path: Path, folder: Path) -> Source:
         target = _target(dump, dumped)
         if target is not None:
             by_target[target].append(dumped)
-        elif dumped not in FORWARD_BATCH:
+        elif not _per_request(dump, dumped) and dumped not in FORWARD_BATCH:
             left_out.append(dumped)
-    entries = [Entry(kind="input" if target in INPUTS.values() else "activation", name=target,
+    entries = [_at_ends(dump, dumped, kind) for dumped in dump.order
+               if _per_request(dump, dumped) and (kind := PER_REQUEST.get(logical_name(dumped)[1]))]
+    entries += [Entry(kind="input" if target in INPUTS.values() else "activation", name=target,
                      order=(0, 0, dump.order[names[0]]), layer=layer_of(target), load=partial(_lined_up, dump, names),
                      batch_dim=0, seq_dim=1) for target, names in by_target.items()]
     lengths = [len(r.tokens) for r in dump.requests]
     description = (f"sglang server dump: {len(dump.steps)} passes, {len(dump.requests)} requests, {sum(lengths)} "
-                   f"tokens" + (f", {len(left_out)} tensors not per token or without a megalign name left out"
+                   f"tokens" + (f", {len(left_out)} tensors without a megalign name left out"
                                 if left_out else ""))
     return Source(path=Path(path), format="sglang-server", description=description, entries=entries,
                   rows=[BatchRow(bounds=(0, max(lengths)), lengths=(n,)) for n in lengths], stack="sglang",
@@ -69,6 +72,20 @@ def _target(dump: ServerDump, dumped: str) -> Optional[str]:
     name = logical_name(dumped)[1]
     base = name.removesuffix("#1")
     return megatron_name(base) if name == base or SUMMED.match(base) else None
+
+
+def _per_request(dump: ServerDump, name: str) -> bool:
+    """Dumped as one row per request of the pass (and not per token), in every pass that dumped it."""
+    values = [(step, v[name]) for step, v in dump.steps.items() if name in v]
+    return name not in FORWARD_BATCH and not _per_token(dump, name) and all(
+        isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == len(dump.steps[step]["rids"])
+        for step, value in values)
+
+
+def _at_ends(dump: ServerDump, name: str, kind: str) -> Entry:
+    tokens, rows = dump.at_ends(name)
+    return Entry(kind=kind, name=kind, order=(0, 0, dump.order[name]), layer=None, tokens=tokens,
+                 load=lambda: tensor_value(rows))
 
 
 def _per_token(dump: ServerDump, name: str) -> bool:
