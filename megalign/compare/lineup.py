@@ -4,7 +4,9 @@ When the sources' rows differ, every token tensor (one with a batch dim and a se
 mapped to its real tokens, document by document in order: [tokens, ...]. Both sides then hold the
 same tokens in the same order, whatever the packing and the padding, and compare as usual. A tensor
 with a sequence dim and no batch dim (the RoPE table: positions, not tokens) cannot be mapped; it
-is set apart, with the reason, instead of failing as a shape mismatch.
+is set apart, with the reason, instead of failing as a shape mismatch. A tensor that one side holds
+at some of the real tokens only (an sglang server's next-token logits: Entry.tokens) is compared at
+those tokens: the other side's is cut to them.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ def _cut_to_tokens(source: Source, others: list[Source]) -> Source:
             value = entry.load()
             if value.problem or value.tensor is None:
                 return value
+            if max(tokens) >= value.tensor.shape[0]:
+                return replace(value, problem=f"holds {value.tensor.shape[0]} tokens; the other side has token "
+                                              f"{max(tokens)}")
             tensor = value.tensor[torch.tensor(tokens, device=value.tensor.device)]
             return replace(value, shape=list(tensor.shape), tensor=tensor)
 
