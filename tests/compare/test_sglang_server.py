@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import invoke
+from conftest import error_line, invoke
 from real_checkpoint import build
 
 from megalign.compare.sources.sglang_server import fill_prefixes, open_server_dump
@@ -76,6 +76,8 @@ def test_passes_that_do_not_fit_together_are_one_line(written, tmp_path):
     torch.save({**content, "value": torch.tensor([9, 8])}, file)
     with pytest.raises(UserError, match="step 4: request b's tokens end before position 7"):
         open_server_dump(copy)
+    result = invoke("compare", copy, copy)  # through the CLI: one line, exit 2
+    assert result.exit_code == 2 and "step 4: request b's tokens end before position 7" in error_line(result)
     # b alone: its cached prefix was computed by no request in the dump.
     only_b = open_server_dump(written["plain"])
     only_b.requests = [r for r in only_b.requests if r.rid == "b"]
