@@ -42,15 +42,16 @@ def open_server(path: Path, folder: Path) -> Source:
     if why:
         raise UserError(f"{folder}: {why}")
     by_target: dict[str, list[str]] = defaultdict(list)  # megalign name -> the dumped names it is made of
-    left_out = []
+    entries, left_out = [], []
     for dumped in sorted(dump.order, key=dump.order.get):
         target = _target(dump, dumped)
+        per_request = PER_REQUEST.get(logical_name(dumped)[1]) if _per_request(dump, dumped) else None
         if target is not None:
             by_target[target].append(dumped)
-        elif not _per_request(dump, dumped) and dumped not in FORWARD_BATCH:
+        elif per_request is not None:
+            entries.append(_at_ends(dump, dumped, per_request))
+        elif dumped not in FORWARD_BATCH:
             left_out.append(dumped)
-    entries = [_at_ends(dump, dumped, kind) for dumped in dump.order
-               if _per_request(dump, dumped) and (kind := PER_REQUEST.get(logical_name(dumped)[1]))]
     entries += [Entry(kind="input" if target in INPUTS.values() else "activation", name=target,
                      order=(0, 0, dump.order[names[0]]), layer=layer_of(target), load=partial(_lined_up, dump, names),
                      batch_dim=0, seq_dim=1) for target, names in by_target.items()]
