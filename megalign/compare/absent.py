@@ -15,7 +15,8 @@ from typing import Optional
 from megalign.compare.entries import Source
 
 # (pattern, what must differ between the two sides for it to be one-sided, reason). "stack": only a
-# dump of another stack lacks it; "kernel": another stack, or another attention kernel, lacks it.
+# dump of another stack lacks it; "kernel": another stack, or another attention kernel, lacks it;
+# "server": a megalign run has it, an sglang server's dump (compared with one) does not.
 # Between two dumps of one stack and kernel, every tensor is on both sides, or the comparison fails.
 REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), scope, reason)
                                                          for pattern, scope, reason in (
@@ -28,6 +29,10 @@ REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), s
      "megatron's batch-first lookup; the `embedding` row holds the same values"),
     (r"^decoder$", "stack", "megatron's decoder block: its output is the `decoder.final_layernorm` row"),
     (r"mlp\.act_fn$", "stack", "SiLU(gate) alone, fused into SwiGLU by megatron; SwiGLU's output is linear_fc2#input"),
+    (r"^(labels|loss_mask|logprobs|loss)$", "server", "a training run's: an sglang server computes no loss"),
+    (r"^logits$", "server", "an sglang server's dump without its logits processor's next-token logits"),
+    (r"self_attention\.linear_qkv$", "server",
+     "sglang's fused qkv_proj lays q|k|v out apart, where megatron groups them by query group"),
 ))
 
 
@@ -43,8 +48,10 @@ class Sides:
     def of(cls, this: Source, other: Source) -> "Sides":
         stacks_differ = this.stack is None or this.stack != other.stack
         kernels_differ = stacks_differ or this.kernel is None or this.kernel != other.kernel
+        server = "sglang-server" in (this.format, other.format)
         return cls(other_kinds={e.kind for e in other.entries}, other_stack=other.stack,
-                   differ=frozenset({"stack"} if stacks_differ else set()) | ({"kernel"} if kernels_differ else set()))
+                   differ=frozenset({"stack"} if stacks_differ else set()) | ({"kernel"} if kernels_differ else set())
+                   | ({"server"} if server else set()))
 
 
 def reason(kind: Optional[str], name: str, sides: Sides) -> Optional[str]:

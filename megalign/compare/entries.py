@@ -72,6 +72,9 @@ class Entry:
     batch_dim: Optional[int] = None
     seq_dim: Optional[int] = None
     apart: Optional[str] = None  # why this tensor cannot be lined up with the other side's (lineup.py)
+    # Where its rows are some of the real tokens only (an sglang server's next-token logits): their
+    # indexes, document after document; the other side's same tensor is cut to them (lineup.py).
+    tokens: Optional[list[int]] = None
     # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
     # in a caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
@@ -95,6 +98,9 @@ class Source:
     # excuses a submodule only between stacks or kernels that differ in it).
     stack: Optional[str] = None
     kernel: Optional[str] = None
+    # Its padding holds no values (an sglang server's requests, lined up by position): token tensors are
+    # compared by their real tokens even against a run whose rows look the same (lineup.py).
+    tokens_only: bool = False
 
 
 def phase(kind: Optional[str]) -> int:

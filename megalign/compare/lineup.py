@@ -4,7 +4,9 @@ When the sources' rows differ, every token tensor (one with a batch dim and a se
 mapped to its real tokens, document by document in order: [tokens, ...]. Both sides then hold the
 same tokens in the same order, whatever the packing and the padding, and compare as usual. A tensor
 with a sequence dim and no batch dim (the RoPE table: positions, not tokens) cannot be mapped; it
-is set apart, with the reason, instead of failing as a shape mismatch.
+is set apart, with the reason, instead of failing as a shape mismatch. A tensor that one side holds
+at some of the real tokens only (an sglang server's next-token logits: Entry.tokens) is compared at
+those tokens: the other side's is cut to them.
 """
 
 from __future__ import annotations
@@ -24,9 +26,34 @@ def line_up(*sources: Optional[Source]) -> list[Optional[Source]]:
     """The sources with token tensors mapped to real tokens where their rows differ; else unchanged."""
     present = [s for s in sources if s is not None]
     rows = [s.rows for s in present]
-    if any(r is None for r in rows) or all(r == rows[0] for r in rows):
+    if any(r is None for r in rows) or (all(r == rows[0] for r in rows) and not any(s.tokens_only for s in present)):
         return list(sources)  # the same batch on every side (or a format that does not say): nothing to map
-    return [None if s is None else replace(s, entries=[_line_up(e, s.rows) for e in s.entries]) for s in sources]
+    lined = [None if s is None else replace(s, entries=[_line_up(e, s.rows) for e in s.entries]) for s in sources]
+    return [None if s is None else _cut_to_tokens(s, [o for o in lined if o is not None and o is not s])
+            for s in lined]
+
+
+def _cut_to_tokens(source: Source, others: list[Source]) -> Source:
+    """The source with each tensor that another side holds at some real tokens only cut to those tokens."""
+    some = {(e.kind, e.name): e.tokens for other in others for e in other.entries if e.tokens is not None}
+    if not some:
+        return source
+
+    def cut(entry: Entry, tokens: list[int]) -> Entry:
+        def load() -> Value:
+            value = entry.load()
+            if value.problem or value.tensor is None:
+                return value
+            if max(tokens) >= value.tensor.shape[0]:
+                return replace(value, problem=f"holds {value.tensor.shape[0]} tokens; the other side has token "
+                                              f"{max(tokens)}")
+            tensor = value.tensor[torch.tensor(tokens, device=value.tensor.device)]
+            return replace(value, shape=list(tensor.shape), tensor=tensor)
+
+        return replace(entry, load=load, shape=None, nbytes=None)
+
+    return replace(source, entries=[cut(e, some[(e.kind, e.name)]) if (e.kind, e.name) in some and e.tokens is None
+                                    else e for e in source.entries])
 
 
 def _line_up(entry: Entry, rows: list[BatchRow]) -> Entry:

@@ -1,19 +1,26 @@
 """sglang dumper dumps of a server (compare/sources/sglang_server.py), written by sglang's own dumper code
 (sglang_server_writer.py): chunked prefill, a cached prefix, a mixed pass and decode passes of two requests,
-lined up by request and position; two requests' decode steps swapped are caught."""
+lined up by request and position; two requests' decode steps swapped are caught.
+
+Then transformers' `generate` on the real SmolLM2 checkpoint as the server (sglang_generate_writer.py),
+compared by `megalign compare` with `megalign forward --stack hf` of the same tokens, layer by layer."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import error_line, invoke
+from real_checkpoint import build
 
 from megalign.compare.sources.sglang_server import fill_prefixes, open_server_dump
 
 WRITER = Path(__file__).with_name("sglang_server_writer.py")
+GENERATE = Path(__file__).with_name("sglang_generate_writer.py")
 A = [11, 12, 13, 14, 15, 16, 31, 32, 33]
 B = [11, 12, 13, 24, 25, 41, 42]
 
@@ -69,7 +76,64 @@ def test_passes_that_do_not_fit_together_are_one_line(written, tmp_path):
     torch.save({**content, "value": torch.tensor([9, 8])}, file)
     with pytest.raises(UserError, match="step 4: request b's tokens end before position 7"):
         open_server_dump(copy)
+    result = invoke("compare", copy, copy)  # through the CLI: one line, exit 2
+    assert result.exit_code == 2 and "step 4: request b's tokens end before position 7" in error_line(result)
     # b alone: its cached prefix was computed by no request in the dump.
     only_b = open_server_dump(written["plain"])
     only_b.requests = [r for r in only_b.requests if r.rid == "b"]
     assert "positions 0-2 were not computed for it; no request computed them" in fill_prefixes(only_b)
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    """{"plain": folder, "swap": folder, "tokens": tokens.json}: generate's passes as a server dumps them, and
+    with the two requests' rows of the last decode pass swapped (both processes at once)."""
+    out = tmp_path_factory.mktemp("generate")
+    runs = {kind: subprocess.Popen([sys.executable, str(GENERATE), str(out / kind), kind], cwd=GENERATE.parent,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            for kind in ("plain", "swap")}
+    for run in runs.values():
+        _, stderr = run.communicate(timeout=600)
+        assert run.returncode == 0, stderr[-3000:]
+    assert (out / "plain/tokens.json").read_text() == (out / "swap/tokens.json").read_text()
+    return {"plain": out / "plain/exp", "swap": out / "swap/exp", "tokens": out / "plain/tokens.json"}
+
+
+def compare(tmp_path, a, b):
+    report = tmp_path / "r.jsonl"
+    result = invoke("compare", a, b, "--json", report, "--format", "plain")
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    return result, {row["name"]: row for row in lines[:-1]}, lines[-1]
+
+
+def test_generate_as_a_server_matches_megalign_forward_layer_by_layer(generated, dump, tmp_path):
+    """Every layer's activations of the cached decode steps, lined up by token, and the next-token logits at
+    the tokens they were computed for, against the full forward: exit 0, either order; the one-sided rows
+    are the op map's (megatron's linear_qkv, labels, loss, ...)."""
+    forward = dump("forward", "--stack", "hf", "--hf", build(), "--tokens", generated["tokens"])
+    assert json.loads(generated["tokens"].read_text()) == open_server_dump(generated["plain"]).tokens()
+    for a, b in ((generated["plain"], forward), (forward, generated["plain"])):
+        result, rows, summary = compare(tmp_path, a, b)
+        assert result.exit_code == 0, result.output
+        assert "sglang server dump: 4 passes, 2 requests, 18 tokens" in result.output
+        passed = {name for name, row in rows.items() if row["status"] == "pass"}
+        layers = 30
+        assert {"tokens", "position_ids", "embedding", "decoder.final_layernorm", "logits"} <= passed
+        assert rows["logits"]["shape_a"][0] == 8  # next-token logits: 4 passes of 2 requests
+        assert all(f"decoder.layers.{i}.{m}" in passed for i in range(layers) for m in (
+            "input_layernorm", "self_attention.core_attention", "self_attention.linear_proj", "self_attention",
+            "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2#input", "mlp.linear_fc2", "mlp"))
+        assert all(f"decoder.layers.{i}" in passed for i in range(layers))  # sglang's MLP output + residual
+        assert summary["compared"] == summary["passed"] == len(passed)
+
+
+def test_two_requests_decode_steps_swapped_in_a_server_fail_at_their_tokens(generated, dump, tmp_path):
+    forward = dump("forward", "--stack", "hf", "--hf", build(), "--tokens", generated["tokens"])
+    result, rows, summary = compare(tmp_path, forward, generated["swap"])
+    assert result.exit_code == 1, result.output
+    assert summary["first_divergence"] == "activation embedding"
+    # The real tokens, request after request: a's last (8) and b's last (17), the swapped pass's.
+    worst = {row["metrics"]["max_abs_index"][0] for row in rows.values() if row["status"] == "fail" and row["kind"] ==
+             "activation"}
+    assert worst == {8, 17} and summary["failed"] == summary["compared"] - 2  # all but tokens and positions
+    assert rows["logits"]["status"] == "fail" and rows["logits"]["metrics"]["max_abs_index"][0] in (3, 7)

@@ -6,6 +6,7 @@ loaded until a loader is called, so a comparison holds only the tensors it is wo
 
     megalign dump   a folder with dump.json and rank-*/manifest.json        (sources/megalign.py)
     sglang dump     `.pt` files written by sglang's dumper, one per tensor   (sources/sglang.py)
+                    of a server: passes of batched requests   (sources/sglang_server_source.py)
     plain tensors   a `.safetensors` / `.pt` file or a folder of them        (sources/plain.py)
 """
 
@@ -19,7 +20,7 @@ from megalign.errors import UserError
 
 def open_source(path: Path) -> Source:
     """Detect what `path` is and open it; UserError (exit 2) when it is none of the three."""
-    from megalign.compare.sources import megalign, plain, sglang
+    from megalign.compare.sources import megalign, plain, sglang, sglang_server_source
     from megalign.dump.reader import Dump
 
     path = Path(path)
@@ -32,6 +33,8 @@ def open_source(path: Path) -> Source:
     if Dump.is_dump(path) or any(path.glob("rank-*")):
         return megalign.open_megalign(path)
     sglang_dir = sglang.find_sglang_dir(path)
+    if sglang_dir is not None and sglang_server_source.is_server_dump(sglang_dir):
+        return sglang_server_source.open_server(path, sglang_dir)
     if sglang_dir is not None:
         return sglang.open_sglang(path, sglang_dir)
     if plain.tensor_files(path):

@@ -34,6 +34,9 @@ class Request:
     rid: str
     tokens: dict[int, int] = field(default_factory=dict)  # position -> token id
     where: dict[int, tuple[int, int]] = field(default_factory=dict)  # position -> (step, row in that pass)
+    # (step, its index among the pass's requests, position) of its last token in every pass: where the
+    # pass's per-request tensors (next-token logits) stand.
+    ends: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class ServerDump:
     folder: Path
     requests: list[Request]  # in the order they first appear
     steps: dict[int, dict[str, object]]  # step -> name -> value (the files of rank 0)
+    order: dict[str, int] = field(default_factory=dict)  # name -> its first dump_index: execution order
 
     def tokens(self) -> list[list[int]]:
         """Each request's tokens in position order (0 to its longest), where every position is known."""
@@ -64,14 +68,28 @@ class ServerDump:
         return out
 
 
+    def at_ends(self, name: str) -> tuple[list[int], torch.Tensor]:
+        """The per-request tensor `name` of every pass ([requests of the pass, ...]) at each request's last
+        token in that pass: (those tokens' indexes among all real tokens, request after request; [rows, ...])."""
+        index, rows, offset = [], [], 0
+        for request in self.requests:
+            for step, k, position in sorted(request.ends, key=lambda end: end[2]):
+                index.append(offset + position)
+                rows.append(self.steps[step][name][k])
+            offset += len(request.tokens)
+        return index, torch.stack(rows)
+
+
 def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
     """Read the core fields of every pass of `rank` and line the tokens up by request and position."""
     steps: dict[int, dict[str, object]] = defaultdict(dict)
+    order: dict[str, int] = {}
     for file in dump_files(folder):
         fields = parse_filename(file)
         if fields["rank"] != rank:
             continue
         steps[fields["step"]][fields["name"]] = unwrap(load_pt(file))[0]
+        order[fields["name"]] = min(order.get(fields["name"], fields["dump_index"]), fields["dump_index"])
     steps = {s: v for s, v in steps.items() if all(k in v for k in CORE)}
     if not steps:
         raise UserError(f"{folder}: no pass with all of {', '.join(CORE)} (a server's dumper writes them every "
@@ -79,7 +97,7 @@ def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
     requests: dict[str, Request] = {}
     for step in sorted(steps):
         _cut(folder, step, steps[step], requests)
-    return ServerDump(folder=Path(folder), requests=list(requests.values()), steps=steps)
+    return ServerDump(folder=Path(folder), requests=list(requests.values()), steps=steps, order=order)
 
 
 def _cut(folder: Path, step: int, values: dict, requests: dict[str, Request]) -> None:
@@ -90,8 +108,9 @@ def _cut(folder: Path, step: int, values: dict, requests: dict[str, Request]) ->
             and isinstance(rids, list) and ids.shape == positions.shape and len(rids) == lengths.numel()):
         raise UserError(f"{folder}: step {step}: input_ids, positions, seq_lens and rids do not fit together")
     row = 0
-    for rid, length in zip(rids, lengths.tolist()):
+    for index, (rid, length) in enumerate(zip(rids, lengths.tolist())):
         request = requests.setdefault(str(rid), Request(rid=str(rid)))
+        request.ends.append((step, index, length - 1))
         while True:
             if row >= ids.numel():
                 raise UserError(f"{folder}: step {step}: request {rid}'s tokens end before position {length - 1}")

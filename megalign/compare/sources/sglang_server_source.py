@@ -1,0 +1,104 @@
+"""An sglang server's dump as a `Source` that `megalign compare` lines up with a megalign run of the same tokens.
+
+The passes are cut by request and position (sglang_server.py); every per-token tensor (one row per
+token of every pass that dumped it) is lined up as [sequence, position, ...] and named as megalign
+names it (sglang_names.py). The rows are one per request, without padding, and `tokens_only` makes
+compare line both sides up by their real tokens even where a megalign run's rows look the same.
+The logits processor's next-token logits (one row per request a pass, at its last token in the pass)
+are compared at those tokens only (Entry.tokens). Tensors with no megalign name are left out, and
+counted in the description.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from megalign.compare.entries import Entry, Source, Value
+from megalign.compare.sources.plain import tensor_value
+from megalign.compare.sources.sglang import dump_files, logical_name, parse_filename
+from megalign.compare.sources.sglang_names import PER_REQUEST, SUMMED, megatron_name
+from megalign.compare.sources.sglang_server import CORE, ServerDump, fill_prefixes, open_server_dump
+from megalign.dump.format import layer_of
+from megalign.dump.layout import BatchRow
+from megalign.errors import UserError
+
+INPUTS = {"input_ids": "tokens", "positions": "position_ids"}
+FORWARD_BATCH = (*CORE, "req_pool_indices")  # the forward batch's fields that the server's dumper writes
+
+
+def is_server_dump(folder: Path) -> bool:
+    """A server's dumper writes the forward batch's `seq_lens` every pass; a training run's never does."""
+    return any(parse_filename(f)["name"] == "seq_lens" for f in dump_files(folder))
+
+
+def open_server(path: Path, folder: Path) -> Source:
+    dump = open_server_dump(folder)
+    why = fill_prefixes(dump)
+    if why:
+        raise UserError(f"{folder}: {why}")
+    by_target: dict[str, list[str]] = defaultdict(list)  # megalign name -> the dumped names it is made of
+    entries, left_out = [], []
+    for dumped in sorted(dump.order, key=dump.order.get):
+        target = _target(dump, dumped)
+        per_request = PER_REQUEST.get(logical_name(dumped)[1]) if _per_request(dump, dumped) else None
+        if target is not None:
+            by_target[target].append(dumped)
+        elif per_request is not None:
+            entries.append(_at_ends(dump, dumped, per_request))
+        elif dumped not in FORWARD_BATCH:
+            left_out.append(dumped)
+    entries += [Entry(kind="input" if target in INPUTS.values() else "activation", name=target,
+                     order=(0, 0, dump.order[names[0]]), layer=layer_of(target), load=partial(_lined_up, dump, names),
+                     batch_dim=0, seq_dim=1) for target, names in by_target.items()]
+    lengths = [len(r.tokens) for r in dump.requests]
+    description = (f"sglang server dump: {len(dump.steps)} passes, {len(dump.requests)} requests, {sum(lengths)} "
+                   f"tokens" + (f", {len(left_out)} tensors without a megalign name left out"
+                                if left_out else ""))
+    return Source(path=Path(path), format="sglang-server", description=description, entries=entries,
+                  rows=[BatchRow(bounds=(0, max(lengths)), lengths=(n,)) for n in lengths], stack="sglang",
+                  tokens_only=True)
+
+
+def _target(dump: ServerDump, dumped: str) -> Optional[str]:
+    """megalign's name for a dumped per-token tensor: a layer's residual (`#1`) is summed into the layer's output."""
+    if dumped in INPUTS:
+        return INPUTS[dumped]
+    if dumped in FORWARD_BATCH or not _per_token(dump, dumped):
+        return None
+    name = logical_name(dumped)[1]
+    base = name.removesuffix("#1")
+    return megatron_name(base) if name == base or SUMMED.match(base) else None
+
+
+def _per_request(dump: ServerDump, name: str) -> bool:
+    """Dumped as one row per request of the pass (and not per token), in every pass that dumped it."""
+    values = [(step, v[name]) for step, v in dump.steps.items() if name in v]
+    return name not in FORWARD_BATCH and not _per_token(dump, name) and all(
+        isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == len(dump.steps[step]["rids"])
+        for step, value in values)
+
+
+def _at_ends(dump: ServerDump, name: str, kind: str) -> Entry:
+    tokens, rows = dump.at_ends(name)
+    return Entry(kind=kind, name=kind, order=(0, 0, dump.order[name]), layer=None, tokens=tokens,
+                 load=lambda: tensor_value(rows))
+
+
+def _per_token(dump: ServerDump, name: str) -> bool:
+    """Dumped as one row per token of the pass, in every pass that dumped it."""
+    values = [(step, v[name]) for step, v in dump.steps.items() if name in v]
+    return all(isinstance(value, torch.Tensor) and value.ndim >= 1 and
+               value.shape[0] == dump.steps[step]["input_ids"].numel() for step, value in values)
+
+
+def _lined_up(dump: ServerDump, names: list[str]) -> Value:
+    """The sum of the dumped tensors (one, or a layer's MLP output and residual) as [sequence, position, ...]."""
+    try:
+        return tensor_value(sum(dump.lined_up(name) for name in names))
+    except UserError as e:
+        return Value(shape=[], dtype="?", problem=str(e))
