@@ -47,6 +47,7 @@ class Value:
     # Set when the values are there but what they stand for is not recorded (per-rank parts of a
     # loss, reduced in a way the dump does not say): nothing to verify them against, and no divergence.
     unverifiable: Optional[str] = None
+    parts: Optional[torch.Tensor] = None  # with `unverifiable`: each rank's value, stacked on dim 0
 
     def add_replicas(self, window: "Value") -> None:
         """Merge the replica gaps of a window of rows into the whole's (verdict._streamed)."""

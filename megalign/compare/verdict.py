@@ -39,7 +39,8 @@ from megalign.errors import UserError, compile_pattern
 # reassembled was never compared either: it fails unless the user allowed it (--allow-skipped), when
 # it is SKIPPED and named in the summary. A tensor set APART (lineup.py: positions, not tokens, under
 # differently packed batches) is counted. One whose values cannot be verified (Value.unverifiable) is
-# UNVERIFIABLE: named apart in the summary, never a divergence.
+# UNVERIFIABLE: named apart in the summary, never a divergence, unless no reduction a trainer uses
+# could give the other side's value from it (_no_reduction_fits): then it FAILs.
 PASS, FAIL, SHAPE_MISMATCH = "pass", "fail", "shape_mismatch"
 ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_reassemblable", "skipped", "apart"
 UNVERIFIABLE = "unverifiable"
@@ -308,8 +309,12 @@ class _Comparison:
             return row
         unverifiable = [f"{side}: {v.unverifiable}" for side, v in (("A", x), ("B", y)) if v.unverifiable]
         if unverifiable:
-            row.status = UNVERIFIABLE
-            row.notes += unverifiable
+            threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision_of(
+                run_precision(self.a.precision, x.dtype), run_precision(self.b.precision, y.dtype)))
+            ruled_out = [f"{side}: {why}" for side, v, other in (("A", x, y), ("B", y, x))
+                         if v.parts is not None and (why := _no_reduction_fits(v.parts, other, threshold))]
+            row.status = FAIL if ruled_out else UNVERIFIABLE
+            row.notes += ruled_out or unverifiable
             return row
         if list(x.shape) != list(y.shape):
             row.status = SHAPE_MISMATCH
@@ -369,6 +374,25 @@ def _routing_row(row: Row, x: Value, y: Value, replicas_disagree: bool) -> Row:
                      + (f"; first flip at token {','.join(map(str, m.first_flip))}" if m.flipped else ""))
     row.status = FAIL if m.flipped or replicas_disagree else PASS
     return row
+
+
+def _no_reduction_fits(parts: torch.Tensor, other: Value, threshold: float) -> Optional[str]:
+    """Why per-rank parts (of a loss dumped without its reduction) cannot be the other side's value
+    under any reduction a trainer uses; None where one may fit. Their sum may be it (each rank's
+    share), or a mean weighted by each rank's tokens, which lies strictly inside the parts' range (a
+    rank with no tokens would hold no loss): a value outside both diverged, whatever the convention."""
+    if other.tensor is None or list(other.tensor.shape) != list(parts.shape[1:]):
+        return None
+    target, parts = other.tensor.double(), parts.double()
+    if tensor_metrics(parts.sum(0), target).rel_diff <= threshold:
+        return None
+    margin = threshold * target.abs()
+    low, high = parts.min(0).values, parts.max(0).values
+    if bool(((target > low + margin) & (target < high - margin)).all()):
+        return None
+    return (f"per-rank parts {[round(v, 6) for v in parts.flatten().tolist()[:8]]} neither sum to the other side's "
+            f"{[round(v, 6) for v in target.flatten().tolist()[:4]]} nor hold it strictly between them as a "
+            "token-weighted mean would")
 
 
 def _judge_replicas(row: Row, x: Value, y: Value, threshold: float) -> bool:

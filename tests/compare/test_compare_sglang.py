@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2, sglang_dump  # noqa: F401  (a fixture)
 from conftest import invoke
@@ -73,13 +74,13 @@ def test_unreassemblable_tensors_fail_unless_allowed(dump, sglang_dump, tmp_path
     assert partly.exit_code == 1 and "first divergence: activation decoder.layers.1.mlp.linear_fc1" in partly.output
 
 
-def split_loss(folder, target):
+def split_loss(folder, target, shares=(0.3, 0.7)):
     """A copy of an sglang dump whose ranks each hold a part of the loss (0.3 and 0.7 of it), as a
     trainer that dumps its rank's own loss before the reduction writes it."""
     copy = shutil.copytree(folder, target)
     files = sorted(copy.glob("*/*___name=loss___*.pt"))
     assert len(files) == 2
-    for file, share in zip(files, (0.3, 0.7)):
+    for file, share in zip(files, shares):
         content = torch.load(file, weights_only=True)
         torch.save({**content, "value": content["value"] * share}, file)
     return copy
@@ -96,6 +97,18 @@ def test_per_rank_loss_parts_are_unverifiable_not_a_divergence(dump, sglang_dump
     twin, rows, s = summary(tmp_path, dump(*CP1), split_loss(sglang_dump(dump(*CP2_LOCAL)), tmp_path / "twin"))
     assert twin.exit_code == 1 and s["unverifiable"] == 1
     assert s["first_divergence"] == "activation_grad logits", s["first_divergence"]
+
+
+@pytest.mark.parametrize("shares", [(30, 70), (1, 5), (0.2, 0.5)])
+def test_per_rank_losses_no_reduction_can_give_fail(dump, sglang_dump, tmp_path, shares):
+    """The twin of the parts above: per-rank values whose sum is not the loss and that do not hold it
+    strictly between them (as a token-weighted mean would) diverged, whatever the convention: rank 0
+    at the loss and rank 1 at 5x it, or both 100x, or parts summing to 0.7 of it."""
+    split = split_loss(sglang_dump(dump(*CP2)), tmp_path / "bad", shares)
+    result, rows, s = summary(tmp_path, dump(*CP1), split)
+    assert result.exit_code == 1, result.output
+    assert [r["status"] for r in rows if r["kind"] == "loss"] == ["fail"] and s["unverifiable"] == 0
+    assert s["first_divergence"] == "loss loss" and "neither sum to the other side's" in result.output
 
 
 def test_sglang_dump_of_the_loss_bug_fails(dump, sglang_dump, tmp_path):

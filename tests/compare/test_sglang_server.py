@@ -8,6 +8,7 @@ compared by `megalign compare` with `megalign forward --stack hf` of the same to
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +138,31 @@ def test_two_requests_decode_steps_swapped_in_a_server_fail_at_their_tokens(gene
              "activation"}
     assert worst == {8, 17} and summary["failed"] == summary["compared"] - 2  # all but tokens and positions
     assert rows["logits"]["status"] == "fail" and rows["logits"]["metrics"]["max_abs_index"][0] in (3, 7)
+
+
+def test_a_pass_without_its_logits_fails_in_one_line(generated, dump, tmp_path):
+    """One pass's next-token logits deleted: the logits row cannot be put together, which fails (exit 1),
+    named, and no traceback."""
+    server = shutil.copytree(generated["plain"], tmp_path / "no-logits")
+    dropped = list(server.rglob("step=2___*name=non_intrusive__logits_processor*"))
+    assert dropped
+    for file in dropped:
+        file.unlink()
+    forward = dump("forward", "--stack", "hf", "--hf", build(), "--tokens", generated["tokens"])
+    result, rows, summary = compare(tmp_path, forward, server)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert rows["logits"]["status"] == "not_reassemblable" and "step 2 has no row" in result.output
+
+
+@pytest.mark.parametrize("copy_as", ["rank=1", "dump_index=99999"])
+def test_another_ranks_files_or_a_name_dumped_twice_are_one_line(written, tmp_path, copy_as):
+    """A second rank's files would go unread, and of a name dumped twice in one pass only one judged:
+    both are refused (one line, exit 2) rather than compared on part of the dump."""
+    copy = shutil.copytree(written["plain"], tmp_path / "exp")
+    file = next(copy.glob("step=4___*___name=input_ids___*.pt"))
+    field = copy_as.split("=")[0]
+    name = "___".join(copy_as if part.startswith(field + "=") else part for part in file.name.split("___"))
+    shutil.copy(file, file.with_name(name))
+    result = invoke("compare", copy, copy)
+    assert result.exit_code == 2, result.output
+    assert ("only one rank's are read" if field == "rank" else "dumped 'input_ids' twice") in error_line(result)

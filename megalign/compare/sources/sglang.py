@@ -222,6 +222,7 @@ def _loss(files: list[_File]) -> Value:
     if all(torch.equal(t, tensors[0]) for t in tensors[1:]):
         return tensor_value(tensors[0])
     return Value(shape=list(tensors[0].shape), dtype=str(tensors[0].dtype).removeprefix("torch."),
+                 parts=torch.stack(tensors),
                  unverifiable=f"differs between its {len(files)} ranks, which dumped it without dims: per-rank "
                               "parts whose reduction (a sum or a mean over ranks) the dump does not record")
 

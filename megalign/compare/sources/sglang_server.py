@@ -74,8 +74,12 @@ class ServerDump:
         index, rows, offset = [], [], 0
         for request in self.requests:
             for step, k, position in sorted(request.ends, key=lambda end: end[2]):
+                value = self.steps[step].get(name)
+                if not isinstance(value, torch.Tensor) or value.shape[0] <= k:
+                    raise UserError(f"{self.folder}: step {step} has no row {k} of {name!r} for request "
+                                    f"{request.rid} position {position}")
                 index.append(offset + position)
-                rows.append(self.steps[step][name][k])
+                rows.append(value[k])
             offset += len(request.tokens)
         return index, torch.stack(rows)
 
@@ -87,7 +91,10 @@ def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
     for file in dump_files(folder):
         fields = parse_filename(file)
         if fields["rank"] != rank:
-            continue
+            # Another rank's tensors (a TP server's shards) would go unread: their values never judged.
+            raise UserError(f"{folder}: a server dump of several ranks ({file.name}): only one rank's are read")
+        if fields["name"] in steps[fields["step"]]:  # which of the two to judge would be a guess
+            raise UserError(f"{folder}: step {fields['step']} dumped {fields['name']!r} twice")
         steps[fields["step"]][fields["name"]] = unwrap(load_pt(file))[0]
         order[fields["name"]] = min(order.get(fields["name"], fields["dump_index"]), fields["dump_index"])
     steps = {s: v for s, v in steps.items() if all(k in v for k in CORE)}

@@ -84,9 +84,12 @@ def _per_request(dump: ServerDump, name: str) -> bool:
 
 
 def _at_ends(dump: ServerDump, name: str, kind: str) -> Entry:
-    tokens, rows = dump.at_ends(name)
-    return Entry(kind=kind, name=kind, order=(0, 0, dump.order[name]), layer=None, tokens=tokens,
-                 load=lambda: tensor_value(rows))
+    try:
+        tokens, rows = dump.at_ends(name)
+        load = partial(tensor_value, rows)
+    except UserError as e:  # a pass without it: the row cannot be put together, which fails
+        tokens, load = None, partial(Value, shape=[], dtype="?", problem=str(e))
+    return Entry(kind=kind, name=kind, order=(0, 0, dump.order[name]), layer=None, tokens=tokens, load=load)
 
 
 def _per_token(dump: ServerDump, name: str) -> bool:
