@@ -141,6 +141,22 @@ def test_two_dp_ranks_under_torchrun_equal_one_process(tmp_path):
     assert "10 compared, 10 passed, 0 failed\n" in result.output  # nothing missing on either side
 
 
+def test_every_rank_stops_with_rank_zeros_refusal(tmp_path):
+    """Under torchrun rank 0 claims the folder; where it refuses (a user's folder), rank 1 says why
+    too, "rank 0: ...", instead of waiting for a dump that will not come."""
+    mine = tmp_path / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("keep me")
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(mine)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "megalign.errors.UserError: rank 0: " in done.stdout + done.stderr and "not empty" in done.stdout + done.stderr
+    assert [p.name for p in mine.iterdir()] == ["todo.txt"]
+
+
 def test_dumper_refuses_a_folder_that_is_not_a_dump(tmp_path):
     mine = tmp_path / "notes"
     mine.mkdir()
@@ -195,3 +211,16 @@ def test_a_dump_json_that_cannot_be_written_leaves_nothing(tmp_path):
     with pytest.raises(OSError):
         dumper.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_private_torch_api_close_waits_on_still_counts_cpp_references():
+    """Dumper.close() waits until gloo's thread has released rank 0's message buffer (a release at
+    interpreter exit aborted FSDP2 scripts: dumper.py, _rank_zero_says), reading the buffer's C++
+    reference count through torch's private Tensor._use_count: were it gone or meaningless, the wait
+    would be too."""
+    buffer = torch.zeros(4)
+    alone = buffer._use_count()
+    view = buffer[1:]  # a C++ reference to the buffer, as a collective's work holds one
+    assert buffer._use_count() > alone
+    del view
+    assert buffer._use_count() == alone

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
 
@@ -383,12 +384,41 @@ class Dumper:
             except Exception as error:
                 failure = error
         if self._world > 1:
-            message = [None if failure is None else str(failure)]
-            dist.broadcast_object_list(message, src=0)
-            if failure is None and message[0] is not None:
-                raise UserError(f"rank 0: {message[0]}")
+            message = _rank_zero_says(None if failure is None else str(failure))
+            if failure is None and message is not None:
+                raise UserError(f"rank 0: {message}")
         if failure is not None:
             raise failure
+
+
+# A collective's tensors are released by gloo's worker thread after the caller has its result, and
+# releasing a tensor Python made takes the GIL. Where that collective is the program's last (close()
+# at the end of a script), the main thread may be finalizing the interpreter by then, and the worker
+# thread dies holding C++ state: SIGABRT, "terminate called without an active exception" (seen after
+# close() in an FSDP2 script, about one run in five under load; gdb shows ~AsyncBroadcastWork). So
+# rank 0's message goes through one buffer of ours, and close() waits until gloo has let go of it.
+_MESSAGE_BYTES = 1024
+_messages: dict[torch.device, torch.Tensor] = {}
+
+
+def _rank_zero_says(message: Optional[str]) -> Optional[str]:
+    """Rank 0's `message` (None: nothing to say) on every rank, cut to _MESSAGE_BYTES - 1 bytes."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buffer = _messages.setdefault(device, torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device))
+    if dist.get_rank() == 0:
+        text = b"" if message is None else message.encode()[:_MESSAGE_BYTES - 2]
+        buffer.zero_()
+        buffer[0] = message is not None
+        buffer[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else 0
+    held = buffer._use_count()
+    dist.broadcast(buffer, src=0)
+    said = buffer.cpu()
+    released = time.monotonic() + 1
+    while buffer._use_count() > held and time.monotonic() < released:
+        time.sleep(0.001)  # the GIL, free for gloo's thread to release its reference
+    if not said[0]:
+        return None
+    return bytes(said[1:].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 class NullDumper:
