@@ -49,13 +49,18 @@ if dist.is_initialized():
 """
 
 
-def run_script(tmp_path: Path, out: Path, *launcher: str) -> None:
+TORCHRUN_2 = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+
+
+def run_script(tmp_path: Path, out: Path, *launcher: str, ok: bool = True) -> str:
+    """SCRIPT dumping into `out`, as a user runs it (under `launcher`); its output. `ok`: it must succeed."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, *launcher, str(script), str(out)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert (done.returncode == 0) == ok, done.stdout + done.stderr
+    return done.stdout + done.stderr
 
 
 def test_cp2_tensors_equal_cp1(dump):
@@ -133,7 +138,7 @@ def test_a_dumper_script_compares_with_the_cli(tmp_path):
 def test_two_dp_ranks_under_torchrun_equal_one_process(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     run_script(tmp_path, one)
-    run_script(tmp_path, two, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    run_script(tmp_path, two, *TORCHRUN_2)
     assert megalign.open(two).meta["layout"]["dp"] == 2
     assert [s.dp_rank for s in megalign.open(two).shards("activation", "0")] == [0, 1]
     result = invoke("compare", one, two)
@@ -147,13 +152,8 @@ def test_every_rank_stops_with_rank_zeros_refusal(tmp_path):
     mine = tmp_path / "notes"
     mine.mkdir()
     (mine / "todo.txt").write_text("keep me")
-    script = tmp_path / "script.py"
-    script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(mine)], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
-    assert "megalign.errors.UserError: rank 0: " in done.stdout + done.stderr and "not empty" in done.stdout + done.stderr
+    output = run_script(tmp_path, mine, *TORCHRUN_2, ok=False)
+    assert "megalign.errors.UserError: rank 0: " in output and "not empty" in output
     assert [p.name for p in mine.iterdir()] == ["todo.txt"]
 
 

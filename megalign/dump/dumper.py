@@ -396,19 +396,17 @@ class Dumper:
 # at the end of a script), the main thread may be finalizing the interpreter by then, and the worker
 # thread dies holding C++ state: SIGABRT, "terminate called without an active exception" (seen after
 # close() in an FSDP2 script, about one run in five under load; gdb shows ~AsyncBroadcastWork). So
-# rank 0's message goes through one buffer of ours, and close() waits until gloo has let go of it.
+# rank 0's message goes through a buffer of ours, and we wait until gloo has let go of it.
 _MESSAGE_BYTES = 1024
-_messages: dict[torch.device, torch.Tensor] = {}
 
 
 def _rank_zero_says(message: Optional[str]) -> Optional[str]:
-    """Rank 0's `message` (None: nothing to say) on every rank, cut to _MESSAGE_BYTES - 1 bytes."""
+    """Rank 0's `message` (None: nothing to say) on every rank, cut to _MESSAGE_BYTES - 2 bytes."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    buffer = _messages.setdefault(device, torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device))
-    if dist.get_rank() == 0:
-        text = b"" if message is None else message.encode()[:_MESSAGE_BYTES - 2]
-        buffer.zero_()
-        buffer[0] = message is not None
+    buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0 and message is not None:
+        text = message.encode()[:_MESSAGE_BYTES - 2]
+        buffer[0] = 1
         buffer[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else 0
     held = buffer._use_count()
     dist.broadcast(buffer, src=0)
