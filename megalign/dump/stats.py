@@ -7,8 +7,9 @@ combined from its shards exactly as the tensor itself would be reassembled.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Union
 
 import torch
 
@@ -87,33 +88,56 @@ class TensorStats:
 
 def _sums(x: torch.Tensor) -> tuple[float, float, float]:
     """Sum, sum of squares and sum of absolute values of a flat tensor. On a CPU, CHUNK elements at a
-    time, the squares and absolute values going through one reused buffer: a whole-tensor temporary
-    costs a page fault per 4 KiB (the statistics took twice as long, measured); on a device, whole."""
+    time, each copied into one reused buffer of the accumulating dtype where its absolute values and
+    squares are taken: a whole-tensor temporary costs a page fault per 4 KiB (the statistics took
+    twice as long, measured); on a device, whole."""
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     step = CHUNK if x.device.type == "cpu" else max(x.numel(), 1)
-    scratch = torch.empty(min(step, x.numel()), dtype=x.dtype, device=x.device)
+    scratch = torch.empty(min(step, x.numel()), dtype=accumulate, device=x.device)
     total = sum_sq = abs_sum = 0.0
     for start in range(0, x.numel(), step):
         piece = x[start:start + step]
-        buffer = scratch[:piece.numel()]
-        total += float(piece.sum(dtype=accumulate))
-        sum_sq += float(torch.mul(piece, piece, out=buffer).sum(dtype=accumulate))
-        abs_sum += float(torch.abs(piece, out=buffer).sum(dtype=accumulate))
+        buffer = scratch[:piece.numel()].copy_(piece)  # bf16 squared in bf16 would round every square
+        total += float(buffer.sum())
+        abs_sum += float(buffer.abs_().sum())
+        sum_sq += float(buffer.mul_(buffer).sum())
     return total, sum_sq, abs_sum
 
 
 def device_summary(tensor: torch.Tensor) -> torch.Tensor:
     """A device tensor's statistics as one float64 tensor on the device (sum, sum of squares, sum of
     absolute values, min, max, NaN count, Inf count, over its finite values), queued without waiting
-    for them: TensorStats.of reads each back at once, a sync per value that stalls a GPU's step."""
-    x = tensor.detach().flatten()
+    for them: TensorStats.of reads each back at once, a sync per value that stalls a GPU's step.
+    On a GPU, one fused reduction that reads the tensor once, made by torch.compile (written by hand
+    it would be a Triton kernel to keep; eagerly it is a dozen kernels and five whole-tensor
+    temporaries per tensor, on every tensor of every step); where that cannot be compiled, eager."""
+    x = tensor.detach().reshape(-1)
     if not x.is_floating_point():
         x = x.double()
+    return _summarize(x)
+
+
+def _summary(x: torch.Tensor) -> torch.Tensor:
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
     finite = torch.isfinite(x)
-    kept = torch.where(finite, x, 0)
+    kept = torch.where(finite, x, 0).to(accumulate)
     nan = torch.isnan(x).sum()
-    return torch.stack([kept.sum(dtype=accumulate).double(), (kept * kept).sum(dtype=accumulate).double(),
-                        kept.abs().sum(dtype=accumulate).double(),
+    return torch.stack([kept.sum().double(), (kept * kept).sum().double(), kept.abs().sum().double(),
                         torch.where(finite, x, math.inf).min().double(), torch.where(finite, x, -math.inf).max().double(),
                         nan.double(), (x.numel() - finite.sum() - nan).double()])
+
+
+_compiled: Union[Callable, None, bool] = None  # _summary compiled on first use; False: it would not compile
+
+
+def _summarize(x: torch.Tensor) -> torch.Tensor:
+    global _compiled
+    if x.device.type == "cuda" and _compiled is not False:
+        try:
+            if _compiled is None:
+                _compiled = torch.compile(_summary, dynamic=True, fullgraph=True)
+            return _compiled(x)
+        except Exception as error:  # no Triton, no compiler: the same values, eagerly
+            warnings.warn(f"megalign: device statistics are taken eagerly, torch.compile failed ({error})")
+            _compiled = False
+    return _summary(x)

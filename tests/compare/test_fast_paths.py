@@ -23,6 +23,7 @@ from megalign.dump import writer as writer_module
 from megalign.dump.format import RankCoords
 from megalign.dump.sharding import Sharding
 from megalign.dump.staging import PinnedStaging
+from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
 from megalign.dump.writer import RankWriter
 
@@ -181,3 +182,22 @@ def test_the_writer_threads_dump_values_as_they_were_added_and_raise_their_error
     broken.add("activation", "t", torch.ones(3), Sharding())
     with pytest.raises(RuntimeError, match="writing the dump failed"):
         broken.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: bench/gpu.sh runs it"))])
+def test_stats_only_records_the_values_as_they_were_added_on_each_device(tmp_path, monkeypatch, device):
+    """On a device, summaries read back a batch at a time (three batches here, the last at close)."""
+    monkeypatch.setattr(writer_module, "SUMMARIES_PER_COPY", 4)
+    writer = RankWriter(tmp_path / device, RankCoords(rank=0), stats_only=True)
+    generator = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(50, 3, generator=generator) * (i + 1) for i in range(9)]
+    tensors += [torch.tensor([1.0, math.nan, math.inf]), torch.randn(40, generator=generator).bfloat16()]
+    expected = [TensorStats.of(t) for t in tensors]
+    for i, tensor in enumerate(tensors):
+        on_device = tensor.to(device)
+        writer.add("activation", f"t{i}", on_device, Sharding())
+        on_device.zero_()  # changed after add: the statistics are of the value it had
+    writer.close()
+    for record, want in zip(writer.records, expected, strict=True):
+        assert record.stats.to_dict() == pytest.approx(want.to_dict(), rel=1e-5, nan_ok=True), record.name
