@@ -43,9 +43,9 @@ from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
                                   write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
-from megalign.dump.layout import Layout
+from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
-                                            output_sharding, without_layout)
+                                            output_sharding, packed_row, without_layout)
 from megalign.dump.meta import dump_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
@@ -93,6 +93,9 @@ class Dumper:
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks: list = []
         self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
+        self._row: Optional[BatchRow] = None  # this DP rank's packed (THD) row, where the model saw one
+        self._rows: dict[int, Optional[BatchRow]] = {}  # every DP rank's, gathered at close
+        self._cp_split = "document"
         self._steps: list[int] = []
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
         self._closed = False
@@ -162,7 +165,7 @@ class Dumper:
             tensor.register_hook(on_grad)
 
     def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0,
-              outputs: bool = True) -> None:
+              outputs: bool = True, cp_split: str = "document") -> None:
         """Dump the output of every submodule of `module` (kind activation, named by its path, with
         `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
         when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
@@ -174,8 +177,13 @@ class Dumper:
         (dump/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
         each forward call (this rank's share of the batch). The CP split read is megatron's zigzag
         (rank r holds chunks r and 2*CP-1-r of every sequence, as megatron.core.utils.
-        get_batch_on_this_cp_rank gives them; another split would read as a divergence); packed (THD)
-        rows or PP stages: NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
+        get_batch_on_this_cp_rank gives them; another split would read as a divergence). Packed (THD)
+        rows: the documents are read from the packed_seq_params of each forward call (cu_seqlens_q,
+        and cu_seqlens_q_padded where the documents are padded), one packed row a DP rank, the same
+        in every dumped step; `cp_split` says how the row was split over CP ranks: "document", every
+        document zigzagged on its own (get_batch_on_this_cp_rank given cu_seqlens, TE's
+        thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages:
+        NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
         `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
@@ -208,6 +216,9 @@ class Dumper:
             return
         if not megatron and self.layout.dp > 1 and batch_dim is not None:  # only a DP split needs the batch's rows
             self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim), with_kwargs=True))
+        if cp_split not in CP_SPLITS:
+            raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
+        self._cp_split = cp_split
         layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim)
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
@@ -234,25 +245,42 @@ class Dumper:
         """A megatron-core model's outputs, laid out as megalign's worker infers them; this rank's
         LocalShape is read from each forward call's input_ids."""
         local: list[LocalShape] = []
+        packed: list[bool] = [False]
 
         def learn(root, args, kwargs) -> None:
-            if kwargs.get("packed_seq_params") is not None:
-                raise NotImplementedError("watch() of packed (THD) rows: add() each output with its Sharding")
             tokens = args[0] if args else kwargs["input_ids"]
             local[:] = [LocalShape.of_model(model.config, tokens, self.layout.tp)]
+            params = kwargs.get("packed_seq_params")
+            packed[0] = params is not None
+            if packed[0] and self._writing:
+                self._learn_row(packed_row(params), tokens)
 
         self._hooks.append(model.register_forward_pre_hook(learn, with_kwargs=True))
 
         def layout_of(path: str, of_input: bool = False) -> Callable:
             """How the outputs (or, `of_input`, the first input) of the module at `path` lie."""
-            def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
+            def sharding(sub, tensor: torch.Tensor) -> tuple[Optional[Sharding], View]:
                 if of_input:
                     return input_sharding(tensor, local[0]), None
+                if packed[0] and path == "rotary_pos_emb":
+                    # Packed rows: a table of max_seqlen_q positions that every document restarts
+                    # from, no token's: nothing to line up, and its length differs between DP ranks.
+                    return None, None
                 return output_sharding(sub, path, tensor, local[0])
 
             return sharding
 
         return layout_of
+
+    def _learn_row(self, row: BatchRow, tokens: torch.Tensor) -> None:
+        """This DP rank's packed row, which dump.json records for compare to undo the CP split by."""
+        if tokens.shape[0] != 1 or tokens.shape[1] * self.layout.cp != row.bounds[-1]:
+            raise UserError(f"packed rows: input_ids {list(tokens.shape)} on each of {self.layout.cp} CP ranks "
+                            f"is not one row of the {row.bounds[-1]} tokens cu_seqlens_q_padded ends at")
+        if self._row not in (None, row):
+            raise UserError("packed rows: this step's documents differ from an earlier dumped step's, and a "
+                            "dump holds one batch layout; dump one step (steps=[n]) or pack the same documents")
+        self._row = row
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -299,6 +327,7 @@ class Dumper:
         self._writer.close({**(manifest or {}), "steps": self._marks} if self._marks else manifest)
         if self._world > 1:
             dist.barrier()  # every manifest is on disk before dump.json says the dump is complete
+        self._rows = self._every_row()
 
         def land() -> None:
             try:
@@ -310,15 +339,31 @@ class Dumper:
 
         self._on_rank_zero(land)
 
+    def _every_row(self) -> dict[int, Optional[BatchRow]]:
+        """Each DP rank's packed row (None: its model saw none), from its first TP and CP rank."""
+        if self._world == 1:
+            return {0: self._row}
+        rows: list = [None] * self._world
+        first = self.coords.tp_rank == 0 and self.coords.cp_rank == 0 and self.coords.pp_rank == 0
+        dist.all_gather_object(rows, (self.coords.dp_rank, self._row) if first else None)
+        return dict(filter(None, rows))
+
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
         floats = [precision_name(r.dtype) for r in self.records if precision_name(r.dtype)]
         # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
         # must not loosen every tensor to bf16 (a 10% error passed).
         dtype = max(floats, key=PRECISIONS.index, default="fp32")
+        rows = {}
+        if any(row is not None for row in self._rows.values()):
+            if None in self._rows.values():
+                raise UserError("packed rows: some DP ranks' model was called without packed_seq_params")
+            ordered = [self._rows[dp_rank] for dp_rank in range(self.layout.dp)]
+            rows = {"rows": [row.to_dict() for row in ordered], "cp_split": self._cp_split, "packed": True,
+                    "num_sequences": sum(len(row.lengths) for row in ordered)}
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                          self.layout, {"dtype": dtype, "stats_only": self._writer.stats_only,
-                                                    "steps": self._steps})
+                                       "steps": self._steps, **rows})
 
     def abort(self) -> None:
         """Stop without a dump: hooks off, the staging folder removed (rank 0)."""
@@ -348,7 +393,8 @@ class Dumper:
                 if isinstance(tensor, torch.Tensor):
                     key = name if index == 0 else f"{name}#{index}"
                     layout, view = sharding(module, tensor)
-                    self.add_output("activation", key, tensor, layout, view=view, module=name)
+                    if layout is not None:  # None: an output with nothing to put back together
+                        self.add_output("activation", key, tensor, layout, view=view, module=name)
 
         return record
 

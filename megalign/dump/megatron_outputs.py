@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megalign.dump.layout import BatchRow
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
 
@@ -58,6 +59,14 @@ class LocalShape:
             return Sharding()
         dp_dim = batch_dim if batch_dim is not None and tensor.shape[batch_dim] == self.batch else None
         return Sharding(seq_dim=seq_dim, sp=sp, dp_dim=dp_dim)
+
+
+def packed_row(params) -> BatchRow:
+    """A packed (THD) row from megatron-core's PackedSeqParams: documents start at cu_seqlens_q_padded
+    (cu_seqlens_q where the documents are not padded) and hold cu_seqlens_q's real tokens."""
+    real = params.cu_seqlens_q.flatten().tolist()
+    padded = real if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded.flatten().tolist()
+    return BatchRow(bounds=tuple(padded), lengths=tuple(end - start for start, end in zip(real[:-1], real[1:])))
 
 
 def is_megatron_model(module: torch.nn.Module) -> bool:

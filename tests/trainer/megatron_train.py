@@ -8,9 +8,12 @@ Its own GPTModel, DDP with the distributed optimizer, Adam, its own loss, three 
 are dumped (every module's output and its gradient, parameter gradients, parameters, logits and the
 loss), with nothing declared but the logits' sharding. `--tp 2 --sp`: tensor and sequence
 parallelism. `--clip MAX`: the script's own gradient clipping by the global norm, in place of the
-optimizer's (with plain DDP: the clip reads every main_grad whole). Planted bugs: `--bug
-local-tokens`, the classic CP bug (each rank's loss divided by its own token count); `--bug
-local-clip`, the clip's norm computed on the rank's own shard only.
+optimizer's (with plain DDP: the clip reads every main_grad whole). `--packed`: four documents of
+uneven lengths, this DP rank's share packed into one row (THD, PackedSeqParams), split over CP ranks
+document by document. Planted bugs: `--bug local-tokens`, the classic CP bug (each rank's loss divided
+by its own token count); `--bug local-clip`, the clip's norm computed on the rank's own shard only;
+`--bug row-split` (with --packed), the row split over CP ranks as one sequence while the attention is
+told the documents.
 """
 
 import argparse
@@ -27,6 +30,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -41,7 +45,8 @@ parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--clip", type=float)
-parser.add_argument("--bug", choices=["local-tokens", "local-clip"])
+parser.add_argument("--packed", action="store_true")
+parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split"])
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -84,6 +89,37 @@ def batch(step):
     return get_batch_on_this_cp_rank(whole, is_hybrid_cp=False, cp_group=cp_group), loss_mask.sum()
 
 
+def packed_batch(step):
+    """--packed: the step's documents (of uneven lengths), this DP rank's share of them packed into one
+    row, each document padded to a multiple of 2*CP, with PackedSeqParams for the model; then this CP
+    rank's chunks of every document (get_batch_on_this_cp_rank given cu_seqlens)."""
+    g = torch.Generator().manual_seed(step)
+    documents = [torch.randint(0, VOCAB, (length,), generator=g) for length in (5, 11, 7, 9)]
+    cp = parallel_state.get_context_parallel_world_size()
+    tokens, labels, mask, positions, padded_bounds, real_bounds = [], [], [], [], [0], [0]
+    for document in documents[dp_rank * len(documents) // dp:(dp_rank + 1) * len(documents) // dp]:
+        length = len(document)
+        pad = -length % (2 * cp)
+        tokens.append(torch.cat([document, torch.zeros(pad, dtype=torch.long)]))
+        labels.append(torch.cat([document[1:], torch.zeros(pad + 1, dtype=torch.long)]))
+        mask.append(torch.cat([torch.ones(length - 1), torch.zeros(pad + 1)]))
+        positions.append(torch.arange(length + pad))
+        padded_bounds.append(padded_bounds[-1] + length + pad)
+        real_bounds.append(real_bounds[-1] + length)
+    padded = torch.tensor(padded_bounds, dtype=torch.int32)
+    real = torch.tensor(real_bounds, dtype=torch.int32)
+    row = {"tokens": torch.cat(tokens)[None], "labels": torch.cat(labels)[None], "loss_mask": torch.cat(mask)[None],
+           "position_ids": torch.cat(positions)[None], "cu_seqlens": padded[None], "cu_seqlens_padded": padded[None]}
+    mine = get_batch_on_this_cp_rank(row, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group(),
+                                     use_per_sequence_balancing=args.bug == "row-split")
+    longest = int((padded[1:] - padded[:-1]).max())
+    mine["packed_seq_params"] = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded, max_seqlen_q=longest, max_seqlen_kv=longest,
+        cp_group=parallel_state.get_context_parallel_group())
+    return mine, torch.tensor(float(sum(len(document) - 1 for document in documents)))
+
+
 def clip_gradients(max_norm):
     """Scale the gradients so that their global norm is at most max_norm. A TP-split parameter's
     gradient is split over the TP ranks; a replicated one counts once (TP rank 0's)."""
@@ -105,9 +141,10 @@ dumper.watch(ddp)  # every module's output and its gradient; parameter gradients
 for step in range(3):
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    mine, total_tokens = batch(step)
+    mine, total_tokens = packed_batch(step) if args.packed else batch(step)
     with dumper.step(step):
-        logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None)  # [b, s, vocab/tp]
+        logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None,  # [b, s, vocab/tp]
+                     packed_seq_params=mine.get("packed_seq_params"))
         dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
         per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
         summed = (per_token * mine["loss_mask"]).sum()

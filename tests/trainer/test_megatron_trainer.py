@@ -86,3 +86,36 @@ def test_a_clip_by_the_local_shards_norm_is_caught_at_the_next_steps_parameters(
     result = invoke("compare", tp_dumps["tp1"], tp_dumps["tp2_sp_local_clip"])
     assert result.exit_code == 1, result.output
     assert "first divergence: param step2/decoder.layers.0.input_layernorm.bias\n" in result.output
+
+
+@pytest.fixture(scope="module")
+def packed_dumps(tmp_path_factory) -> dict[str, Path]:
+    """--packed (four documents of uneven lengths, one packed row a DP rank, PackedSeqParams), steps 0
+    and 1: at CP=1 (DP=2, two rows), at CP=2 (one row, each document split over the CP ranks by
+    get_batch_on_this_cp_rank given cu_seqlens), and at CP=2 with the row split as one sequence while
+    the attention is told the documents. Three torchruns at once."""
+    root = tmp_path_factory.mktemp("trainer_packed")
+    made = {name: root / name for name in ("cp1", "cp2", "cp2_row_split")}
+    finish(start(made["cp1"], "--packed", "--cp", "1", steps="0,1", script=SCRIPT),
+           start(made["cp2"], "--packed", "--cp", "2", steps="0,1", script=SCRIPT),
+           start(made["cp2_row_split"], "--packed", "--cp", "2", "--bug", "row-split", steps="0,1", script=SCRIPT))
+    return made
+
+
+def test_packed_rows_at_cp2_equal_cp1_with_the_documents_read_from_packed_seq_params(packed_dumps):
+    cp2 = megalign.open(packed_dumps["cp2"])
+    assert cp2.meta["rows"] == [{"bounds": [0, 8, 20, 28, 40], "lengths": [5, 11, 7, 9]}]
+    assert cp2.meta["cp_split"] == "document" and cp2.meta["num_sequences"] == 4
+    assert megalign.open(packed_dumps["cp1"]).meta["rows"] == [{"bounds": [0, 6, 18], "lengths": [5, 11]},
+                                                                {"bounds": [0, 8, 18], "lengths": [7, 9]}]
+    result = invoke("compare", packed_dumps["cp1"], packed_dumps["cp2"])
+    assert result.exit_code == 0, result.output
+    # two packings of the same documents, lined up token by token: 32 real tokens
+    assert "act         step1/decoder.layers.1.self_attention.core_attention      32x32" in result.output
+    assert "196 compared, 196 passed, 0 failed\n" in result.output
+
+
+def test_a_packed_row_split_as_one_sequence_is_caught_at_the_embeddings(packed_dumps):
+    result = invoke("compare", packed_dumps["cp1"], packed_dumps["cp2_row_split"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: activation step0/embedding.word_embeddings\n" in result.output
