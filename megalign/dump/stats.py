@@ -117,22 +117,34 @@ def device_summary(tensor: torch.Tensor) -> torch.Tensor:
     return _summarize(x)
 
 
+ROW = 4096  # elements reduced together first: the rows are reduced side by side, then their results
+
+
 def _summary(x: torch.Tensor) -> torch.Tensor:
+    """In two stages, so that a compiled kernel spreads the first over the whole GPU: a reduction of
+    the flat tensor straight to a scalar, its length unknown at compile time, ran in one block
+    (6 ms a tensor on the H200, measured: 28x the step it dumped)."""
     accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
-    finite = torch.isfinite(x)
-    kept = torch.where(finite, x, 0).to(accumulate)
-    nan = torch.isnan(x).sum()
-    return torch.stack([kept.sum().double(), (kept * kept).sum().double(), kept.abs().sum().double(),
-                        torch.where(finite, x, math.inf).min().double(), torch.where(finite, x, -math.inf).max().double(),
-                        nan.double(), (x.numel() - finite.sum() - nan).double()])
+    n = x.numel()
+    rows = -(-n // ROW)
+    padded = torch.nn.functional.pad(x, (0, rows * ROW - n)).view(rows, ROW)
+    real = torch.arange(rows * ROW, device=x.device).view(rows, ROW) < n
+    finite = torch.isfinite(padded) & real
+    kept = torch.where(finite, padded, 0).to(accumulate)
+    nan = (torch.isnan(padded) & real).sum()
+    return torch.stack([kept.sum(1).sum().double(), (kept * kept).sum(1).sum().double(),
+                        kept.abs().sum(1).sum().double(), torch.where(finite, padded, math.inf).amin(1).min().double(),
+                        torch.where(finite, padded, -math.inf).amax(1).max().double(), nan.double(),
+                        (n - finite.sum() - nan).double()])
 
 
-_compiled: Union[Callable, None, bool] = None  # _summary compiled on first use; False: it would not compile
+_compiled: Union[Callable, None, bool] = None  # _summary compiled on first use (seconds, once a dtype); False: it would not
 
 
 def _summarize(x: torch.Tensor) -> torch.Tensor:
     global _compiled
-    if x.device.type == "cuda" and _compiled is not False:
+    # Small tensors eagerly: compiled, every length up to ROW would be compiled again (one row).
+    if x.device.type == "cuda" and x.numel() > 16 * ROW and _compiled is not False:
         try:
             if _compiled is None:
                 _compiled = torch.compile(_summary, dynamic=True, fullgraph=True)

@@ -201,3 +201,24 @@ def test_stats_only_records_the_values_as_they_were_added_on_each_device(tmp_pat
     writer.close()
     for record, want in zip(writer.records, expected, strict=True):
         assert record.stats.to_dict() == pytest.approx(want.to_dict(), rel=1e-5, nan_ok=True), record.name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu.sh runs it")
+def test_device_tensors_are_written_as_they_were_added_copied_on_the_device_or_the_host(tmp_path):
+    """The first tensors are copied on the device; past the room left for copies there, into pinned
+    host memory: both write the value the tensor had when it was added."""
+    writer = RankWriter(tmp_path / "device", RankCoords(rank=0), flush_bytes=1000)
+    writer._device_room = 3000  # two of the tensors below fit on the device, the rest do not
+    tensors = [torch.randn(30, 10, device="cuda") for _ in range(5)]
+    expected = [t.cpu() for t in tensors]
+    for i, tensor in enumerate(tensors):
+        writer.add("activation", f"t{i}", tensor, Sharding())
+        tensor.zero_()
+    writer.close()
+    files = TensorFiles()
+    for record, want in zip(writer.records, expected, strict=True):
+        location = files.locate(writer.dir / record.file, record.key)
+        got = torch.empty(location.shape, dtype=location.dtype)
+        read_into(location, got)
+        assert torch.equal(got, want) and record.hash == content_hash(want)
+    assert writer._on_device == 0  # every copy on the device released once written
