@@ -291,6 +291,9 @@ class Dumper:
         after finalize_model_grads) and before the optimizer step."""
         outside = self._writing
         self._writing = self._choice.wants(n)
+        # From the second step on, device statistics go through a compiled kernel: its compilation
+        # (seconds) pays off over a training loop, not in a run of one step (megalign's own).
+        self._writer.fused_stats = bool(self._steps)
         if self._writing:
             self._marks.append([n, len(self.records)])
         try:

@@ -104,17 +104,18 @@ def _sums(x: torch.Tensor) -> tuple[float, float, float]:
     return total, sum_sq, abs_sum
 
 
-def device_summary(tensor: torch.Tensor) -> torch.Tensor:
+def device_summary(tensor: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """A device tensor's statistics as one float64 tensor on the device (sum, sum of squares, sum of
     absolute values, min, max, NaN count, Inf count, over its finite values), queued without waiting
     for them: TensorStats.of reads each back at once, a sync per value that stalls a GPU's step.
-    On a GPU, one fused reduction that reads the tensor once, made by torch.compile (written by hand
-    it would be a Triton kernel to keep; eagerly it is a dozen kernels and five whole-tensor
-    temporaries per tensor, on every tensor of every step); where that cannot be compiled, eager."""
+    `fused`, on a GPU: one fused reduction that reads the tensor once, made by torch.compile on
+    first use (seconds, once a dtype; written by hand it would be a Triton kernel to keep), where
+    eagerly it is twenty kernels and several whole-tensor temporaries on every tensor of every step.
+    Where it cannot be compiled, eagerly."""
     x = tensor.detach().reshape(-1)
     if not x.is_floating_point():
         x = x.double()
-    return _summarize(x)
+    return _summarize(x) if fused else _summary(x)
 
 
 ROW = 4096  # elements reduced together first: the rows are reduced side by side, then their results

@@ -42,6 +42,7 @@ class RankWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.coords = coords
         self.stats_only = stats_only
+        self.fused_stats = False  # device statistics through a compiled kernel: worth it over many steps
         self.filter = re.compile(name_filter) if name_filter else None
         self.flush_bytes = flush_bytes
         self.records: list[TensorRecord] = []
@@ -83,7 +84,7 @@ class RankWriter:
                 # against 3.0x so, bench_trainer.py on 2 cores).
                 record.stats = TensorStats.of(tensor)
             else:
-                self._summaries.append((record, device_summary(tensor)))
+                self._summaries.append((record, device_summary(tensor, fused=self.fused_stats)))
                 if len(self._summaries) == SUMMARIES_PER_COPY:
                     self._read_summaries()
         else:

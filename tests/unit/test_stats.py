@@ -37,3 +37,13 @@ def test_on_a_device_the_summary_reads_back_as_the_cpu_statistics(name):
     x = CASES[name]
     ours = TensorStats.from_summary(x.numel(), device_summary(x.cuda()).tolist())
     assert ours.to_dict() == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-5, nan_ok=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.sh runs it)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_device_the_compiled_summary_reads_back_as_the_cpu_statistics(dtype):
+    """Long enough to be compiled (over 16 rows of 4096), with a NaN and an Inf in it."""
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(2)).to(dtype)
+    x[10], x[99_999] = math.nan, -math.inf
+    ours = TensorStats.from_summary(x.numel(), device_summary(x.cuda(), fused=True).tolist())
+    assert ours.to_dict() == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-5, nan_ok=True)
