@@ -158,11 +158,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            # The largest pairs first: started last, one would run on alone while the other workers
-            # idle (on the 8B-wide model's 60 GiB, most of the workers' time was spent so).
-            largest_first = sorted(range(len(pairs)), key=lambda i: -_pair_bytes(pairs[i]))
-            rows_of = {i: pool.submit(comparison.row, i, pairs[i]) for i in largest_first}
-            rows = [rows_of[i].result() for i in range(len(pairs))]
+            rows = list(pool.map(lambda ip: comparison.row(*ip), enumerate(pairs)))
     finally:
         torch.set_num_threads(torch_threads)
     for row in rows:
@@ -173,10 +169,6 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first, rescaled), first_divergence=first)
     _check_something_compared(report)
     return report
-
-
-def _pair_bytes(pair: _Pair) -> int:
-    return sum(entry.nbytes or 0 for entry in (pair.a, pair.b) if entry is not None)
 
 
 def _judge_kinds(rows: list[Row]) -> list[KindScale]:
