@@ -37,7 +37,7 @@ python3 -m compileall -q megalign
 # 5 s each, measured with py-spy), and numba's compare kernels into its on-disk cache (5 s at the
 # first compare otherwise).
 site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-timeout 300 python3 -m compileall -q -j 0 "$site" >/dev/null 2>&1 || echo "bytecode for $site: not all compiled"
+timeout 120 python3 -m compileall -q -j 0 "$site" >/dev/null 2>&1 || echo "bytecode for $site: not all compiled"
 python3 -c "from megalign.compare.fused import load_kernels; load_kernels()"
 M="python3 -m megalign"
 RESULTS="$OUTDIR/results.txt"
