@@ -31,6 +31,7 @@ from megalign.dump.tensorfile import write_file
 # with four). A quarter of the cores at most, since the run needs the rest: one thread on 7 or fewer.
 WRITE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 SUMMARIES_PER_COPY = 256  # device statistics read back together
+SMALL = 1 << 16  # elements of a device tensor whose statistics are taken on the host
 
 
 class RankWriter:
@@ -83,6 +84,11 @@ class RankWriter:
                 # thread takes the cores the run uses (stats-only 1.8x the loop without the Dumper,
                 # against 3.0x so, bench_trainer.py on 2 cores).
                 record.stats = TensorStats.of(tensor)
+            elif tensor.numel() <= SMALL:
+                # One copy to the host, summed there by a writing thread: the device summary would be
+                # twenty kernel launches for a few KiB.
+                host, ready, _ = self._held(tensor, stable=False, on_host=True)
+                self._stats.append(self._pool.submit(_fill_small, record, host, ready))
             else:
                 self._summaries.append((record, device_summary(tensor, fused=self.fused_stats)))
                 if len(self._summaries) == SUMMARIES_PER_COPY:
@@ -159,7 +165,8 @@ class RankWriter:
             with self._counting:
                 self._on_device -= copies
 
-    def _held(self, tensor: torch.Tensor, stable: bool) -> tuple[torch.Tensor, Optional[torch.cuda.Event], bool]:
+    def _held(self, tensor: torch.Tensor, stable: bool,
+              on_host: bool = False) -> tuple[torch.Tensor, Optional[torch.cuda.Event], bool]:
         """What the thread writes from: a contiguous copy, or a stable tensor itself; on a device,
         the event the thread waits for first (the copy done, or the tensor final); and whether it
         was copied on the device. There a copy costs the step a fraction of a millisecond, and the
@@ -169,7 +176,7 @@ class RankWriter:
         H200 host, measured) and crosses to the host on the step's own stream."""
         if tensor.device.type == "cpu":
             return (tensor.contiguous() if stable else tensor.clone(memory_format=torch.contiguous_format)), None, False
-        on_device = not stable and self._room_on_device(tensor)
+        on_device = not stable and not on_host and self._room_on_device(tensor)
         if stable:
             held = tensor.contiguous()
         elif on_device:
@@ -189,6 +196,11 @@ class RankWriter:
                 return False
             self._on_device += tensor.nbytes
             return True
+
+
+def _fill_small(record: TensorRecord, host: torch.Tensor, ready: torch.cuda.Event) -> None:
+    ready.synchronize()
+    record.stats = TensorStats.of(host)
 
 
 def _fill_stats(records: tuple[TensorRecord, ...], rows: torch.Tensor, ready: torch.cuda.Event) -> None:

@@ -187,11 +187,12 @@ def test_the_writer_threads_dump_values_as_they_were_added_and_raise_their_error
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU: bench/gpu.sh runs it"))])
 def test_stats_only_records_the_values_as_they_were_added_on_each_device(tmp_path, monkeypatch, device):
-    """On a device, summaries read back a batch at a time (three batches here, the last at close)."""
+    """On a device, summaries read back a batch at a time (three batches here, the last at close);
+    small tensors are summed on the host."""
     monkeypatch.setattr(writer_module, "SUMMARIES_PER_COPY", 4)
     writer = RankWriter(tmp_path / device, RankCoords(rank=0), stats_only=True)
     generator = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(50, 3, generator=generator) * (i + 1) for i in range(9)]
+    tensors = [torch.randn(300, 300, generator=generator) * (i + 1) for i in range(9)]
     tensors += [torch.tensor([1.0, math.nan, math.inf]), torch.randn(40, generator=generator).bfloat16()]
     expected = [TensorStats.of(t) for t in tensors]
     for i, tensor in enumerate(tensors):
