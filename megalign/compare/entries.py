@@ -50,7 +50,7 @@ class Value:
     parts: Optional[torch.Tensor] = None  # with `unverifiable`: each rank's value, stacked on dim 0
 
     def add_replicas(self, window: "Value") -> None:
-        """Merge the replica gaps of a window of rows into the whole's (verdict._streamed)."""
+        """Merge the replica gaps of a window of rows into the whole's (verdict._Comparison._chunk)."""
         mine = {gap.ranks: gap for gap in self.replicas}
         for gap in window.replicas:
             if gap.ranks in mine:

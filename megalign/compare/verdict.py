@@ -4,7 +4,9 @@ Entries are matched by (kind, name); a plain tensor file has no kinds, so its te
 first tensor of the same name on the other side (in execution order: a forward activation before
 the gradient of the same name). Rows come in the execution order of A (B's order for tensors only
 in B). Pairs are compared on a thread pool: torch's kernels release the GIL, and only the pairs
-being worked on are in memory.
+being worked on are in memory. A big pair is cut into chunks of rows that the pool takes like pairs,
+their sums merged in order: whole, the few largest pairs were each read by one thread while the
+others idled (38% of the workers' time on the 8B-wide model's 60 GiB pair, py-spy on the H200).
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_rea
 UNVERIFIABLE = "unverifiable"
 FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
 BY_OP_MAP, BY_PATTERN = "cross-stack op map", "--allow-missing"  # Row.allowed of a one-sided row
-# Pairs with a side over STREAM_BYTES are compared WINDOW_BYTES of rows at a time (verdict._streamed).
-STREAM_BYTES, WINDOW_BYTES = 64 << 20, 16 << 20
+# Pairs with a side over STREAM_BYTES are compared WINDOW_BYTES of rows at a time, in chunks of
+# CHUNK_WINDOWS windows that the workers take apart (_Comparison._chunk).
+STREAM_BYTES, WINDOW_BYTES, CHUNK_WINDOWS = 64 << 20, 16 << 20, 4
 
 
 @dataclass
@@ -151,16 +154,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     if reference is not None:
         check_reference(reference, a, b)
     comparison = _Comparison(a, b, thresholds, reference, pairs, missable, strict_nonfinite)
-    workers = workers or os.cpu_count() or 1
-    # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
-    # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            rows = list(pool.map(lambda ip: comparison.row(*ip), enumerate(pairs)))
-    finally:
-        torch.set_num_threads(torch_threads)
+    rows = comparison.rows(workers or os.cpu_count() or 1)
     for row in rows:
         if row.status == NOT_REASSEMBLABLE and skippable is not None and skippable.search(row.name):
             row.status = SKIPPED
@@ -224,7 +218,7 @@ class _Comparison:
 
     def __init__(self, a: Source, b: Source, thresholds: Thresholds, reference: Optional[Source], pairs: list[_Pair],
                  missable: Optional[re.Pattern], strict_nonfinite: bool):
-        self.a, self.b, self.thresholds, self.reference = a, b, thresholds, reference
+        self.a, self.b, self.thresholds, self.reference, self.pairs = a, b, thresholds, reference, pairs
         self.missable, self.strict_nonfinite = missable, strict_nonfinite
         self.tokens = _input(self.a, self.b, "tokens")  # to name the token at the worst logprob position
         self.loss_mask = _input(self.a, self.b, "loss_mask")
@@ -235,9 +229,48 @@ class _Comparison:
         largest = max((e.nbytes or 0 for p in pairs for e in (p.a, p.b) if e is not None), default=0)
         self.buffers = BufferPool(max(largest, *map(self._lease_bytes, pairs), 0))
 
-    def row(self, index: int, pair: _Pair) -> Row:
+    def rows(self, workers: int) -> list[Row]:
+        """Every pair's row, in order: pairs compared whole and chunks of big ones on one pool."""
+        tasks = [(index, pair, span) for index, pair in enumerate(self.pairs) for span in self._spans(pair)]
+        # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
+        # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                done = list(pool.map(lambda task: self._task(*task), tasks))
+        finally:
+            torch.set_num_threads(torch_threads)
+        rows: dict[int, Row] = {}
+        chunks: dict[int, list[tuple[tuple[int, int], _Chunk]]] = {}
+        for (index, pair, span), result in zip(tasks, done):
+            if span is None:
+                rows[index] = result
+            else:
+                chunks.setdefault(index, []).append((span, result))
+        for index, parts in chunks.items():
+            rows[index] = self._merged(self._row(index, self.pairs[index]), self.pairs[index], parts)
+        return [rows[index] for index in range(len(self.pairs))]
+
+    def _spans(self, pair: _Pair) -> list[Optional[tuple[int, int]]]:
+        """[None] for a pair compared whole; a big pair's chunks of rows of dim 0."""
+        window = self._window(pair)
+        if not window:
+            return [None]
+        step = window * CHUNK_WINDOWS
+        return [(start, min(start + step, pair.a.shape[0])) for start in range(0, pair.a.shape[0], step)]
+
+    def _task(self, index: int, pair: _Pair, span: Optional[tuple[int, int]]):
+        return self.row(index, pair) if span is None else self._chunk(pair, span)
+
+    @staticmethod
+    def _row(index: int, pair: _Pair) -> Row:
         layer = pair.a.layer if pair.a else pair.b.layer
-        row = Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
+        return Row(index=index, kind=pair.kind, name=pair.name, layer=layer)
+
+    def row(self, index: int, pair: _Pair) -> Row:
+        """The row of a pair compared whole (or one-sided, or set apart)."""
+        row = self._row(index, pair)
         if pair.a is None or pair.b is None:
             entry = pair.a or pair.b
             sides = self.sides_a if pair.b is None else self.sides_b
@@ -254,9 +287,6 @@ class _Comparison:
             row.notes.append(apart)
             return row
         check_fits(self._lease_bytes(pair), f"comparing {pair.kind} {pair.name}")
-        window = self._window(pair)
-        if window:
-            return self._streamed(row, pair, window)
         with self.buffers.lease(pair.a.nbytes, pair.b.nbytes) as (buffer_a, buffer_b):
             return self._compare(row, pair, _load(pair.a, buffer_a), _load(pair.b, buffer_b))
 
@@ -279,24 +309,35 @@ class _Comparison:
             return 0
         return max(1, WINDOW_BYTES * a.shape[0] // max(a.nbytes, b.nbytes))
 
-    def _streamed(self, row: Row, pair: _Pair, window: int) -> Row:
-        """Compare a big pair `window` rows at a time, in two buffers of a window each: the sums of the
-        windows add up to the whole's (metrics.metrics_of), whatever the tensor's size."""
-        shape, total = pair.a.shape, Sums()
+    def _chunk(self, pair: _Pair, span: tuple[int, int]) -> "_Chunk":
+        """The sums of a big pair's rows span[0]:span[1], read a window at a time into two buffers of
+        a window each: the sums of the windows add up to the whole's (metrics.metrics_of), whatever
+        the tensor's size. Stops at the first window that cannot be put back together."""
+        check_fits(self._lease_bytes(pair), f"comparing {pair.kind} {pair.name}")
+        window, shape = self._window(pair), pair.a.shape
         row_numel = math.prod(shape[1:])
+        chunk = _Chunk(values=[Value(shape=shape, dtype=entry.dtype) for entry in (pair.a, pair.b)])
         sizes = [entry.nbytes * window // shape[0] for entry in (pair.a, pair.b)]
-        values = [Value(shape=shape, dtype=entry.dtype) for entry in (pair.a, pair.b)]
         with self.buffers.lease(*sizes) as buffers:
-            for start in range(0, shape[0], window):
-                rows = (start, min(start + window, shape[0]))
+            for start in range(span[0], span[1], window):
+                rows = (start, min(start + window, span[1]))
                 x, y = (entry.load(buffer=buffer, rows=rows) for entry, buffer in zip((pair.a, pair.b), buffers))
-                for whole, part in zip(values, (x, y)):
-                    whole.problem = part.problem
-                    whole.add_replicas(part)
-                if x.problem or y.problem:
+                chunk.add_values(x, y)
+                if chunk.problem:
                     break
-                total.add(pair_sums(x.tensor, y.tensor), start * row_numel)
-        return self._compare(row, pair, *values, metrics=metrics_of(total, shape))
+                chunk.sums.add(pair_sums(x.tensor, y.tensor), (start - span[0]) * row_numel)
+        return chunk
+
+    def _merged(self, row: Row, pair: _Pair, chunks: list[tuple[tuple[int, int], "_Chunk"]]) -> Row:
+        """A big pair's row from its chunks, merged in order up to the first with a problem."""
+        whole = _Chunk(values=[Value(shape=pair.a.shape, dtype=entry.dtype) for entry in (pair.a, pair.b)])
+        row_numel = math.prod(pair.a.shape[1:])
+        for (start, _), chunk in chunks:
+            whole.add_values(*chunk.values)
+            whole.sums.add(chunk.sums, start * row_numel)
+            if whole.problem:
+                break
+        return self._compare(row, pair, *whole.values, metrics=metrics_of(whole.sums, pair.a.shape))
 
     def _compare(self, row: Row, pair: _Pair, x: Value, y: Value,
                  metrics: Optional[TensorMetrics] = None) -> Row:
@@ -355,6 +396,24 @@ class _Comparison:
         strict = self.strict_nonfinite and row.nonfinite_in_both
         row.status = FAIL if diverged or m.nonfinite_mismatch or replicas_disagree or strict else PASS
         return row
+
+
+@dataclass
+class _Chunk:
+    """What a run of rows of a big pair adds to its row: the sums, and each side's Value without a
+    tensor (its problem, its replicas' gaps)."""
+
+    values: list[Value]
+    sums: Sums = field(default_factory=Sums)
+
+    @property
+    def problem(self) -> bool:
+        return any(value.problem for value in self.values)
+
+    def add_values(self, x: Value, y: Value) -> None:
+        for whole, part in zip(self.values, (x, y)):
+            whole.problem = part.problem
+            whole.add_replicas(part)
 
 
 def _load(entry: Entry, buffer: Optional[torch.Tensor]) -> Value:

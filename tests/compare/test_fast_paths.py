@@ -13,6 +13,8 @@ import torch
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2
 from safetensors.torch import load_file
 
+import megalign
+
 from megalign.compare import fused, verdict
 from megalign.compare.buffers import SMALLEST, BufferPool
 from megalign.compare.metrics import metrics_of, pair_sums, tensor_metrics
@@ -142,12 +144,42 @@ def test_pairs_streamed_a_few_rows_at_a_time_get_the_metrics_of_the_whole(dump, 
     whole = compare(dump(*CP1), dump(*layout))
     monkeypatch.setattr(verdict, "STREAM_BYTES", 1)  # every tensor of a megalign dump is streamed
     monkeypatch.setattr(verdict, "WINDOW_BYTES", 3000)  # a few rows: windows cut CP halves and TP shards
+    monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 2)  # chunks of two windows, taken by the workers apart
     streamed = compare(dump(*CP1), dump(*layout))
     assert [r.status for r in streamed.rows] == [r.status for r in whole.rows]
     for s, w in zip(streamed.rows, whole.rows):
         if w.metrics is not None and w.logprobs is None:
             assert s.metrics.max_abs_diff == w.metrics.max_abs_diff and s.metrics.max_abs_index == w.metrics.max_abs_index
             assert math.isclose(s.metrics.rel_diff, w.metrics.rel_diff, rel_tol=1e-9, abs_tol=1e-30), s.name
+
+
+def _one_tensor_dump(path, tensor: torch.Tensor):
+    with megalign.Dumper(path) as dumper:
+        dumper.add("activation", "w", tensor)
+    return open_source(path)
+
+
+def test_a_big_pair_in_chunks_gets_the_sums_of_the_whole_and_the_first_worst_position(tmp_path, monkeypatch):
+    """A pair cut into chunks that several workers take: the same sums as whole, the worst element
+    found in the last chunk at its position in the whole, and the first of two equal worst ones kept.
+    Twin of the agreement below: the one element changed is what fails."""
+    x = torch.randn(4000, 64, generator=torch.Generator().manual_seed(0))
+    x[3900, 5] = x[3950, 7] = 0.0
+    y = x.clone()
+    y[3900, 5] = y[3950, 7] = 1.0  # in the last chunks, exactly as far off
+    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)
+    monkeypatch.setattr(verdict, "WINDOW_BYTES", 4 * 64 * 10)  # 10 rows a window, 20 a chunk: 200 chunks
+    monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 2)
+    a, b = _one_tensor_dump(tmp_path / "a", x), _one_tensor_dump(tmp_path / "b", y)
+    comparison = verdict._Comparison(a, b, Thresholds(), None, verdict.match_entries(a, b), None, False)
+    assert len(comparison._spans(comparison.pairs[0])) == 200
+    (row,) = compare_sources(a, b, Thresholds(), workers=4).rows
+    want = reference(x, y)
+    assert want["index"] == 3900 * 64 + 5
+    assert row.status == verdict.FAIL and row.metrics.max_abs_index == [3900, 5]
+    assert math.isclose(row.metrics.rel_diff, want["rel_diff"], rel_tol=1e-9)
+    (same,) = compare_sources(a, _one_tensor_dump(tmp_path / "c", x.clone()), Thresholds(), workers=4).rows
+    assert same.status == verdict.PASS and same.metrics.max_abs_diff == 0
 
 
 def test_a_divergence_is_caught_when_streamed(dump, monkeypatch):
