@@ -4,7 +4,8 @@ The run waits only for each tensor's copy to host memory. Background threads wri
 hash the bytes as they write them, so the run goes on while the disk works; a device tensor is
 copied into pinned host memory asynchronously, and the writing thread waits for that copy, not the
 run. A stable device tensor (a parameter gradient after the step) is not copied at all: the thread
-streams it to its file through two pinned buffers (staging.py).
+streams it to its file through two pinned buffers (staging.py). A device tensor's copy is made on
+the device, within a room there that the run waits on when the disk falls behind.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class RankWriter:
         # Device copies not yet written, and how many bytes of them the device may hold (set at the first).
         self._on_device = 0
         self._device_room: Optional[int] = None
-        self._counting = threading.Lock()
+        self._written = threading.Condition()  # notified as each file's device copies are released
 
     def wants(self, kind: str, name: str) -> bool:
         return kind == "input" or self.filter is None or bool(self.filter.search(name))
@@ -95,8 +96,8 @@ class RankWriter:
                     self._read_summaries()
         else:
             record.key = str(record.order)
+            held, ready, copied = self._held(tensor, stable)  # may write the file being filled first
             record.file = self._current_file()
-            held, ready, copied = self._held(tensor, stable)
             self._pending.append((record, held, ready))
             self._pending_bytes += tensor.nbytes
             self._pending_copies += tensor.nbytes if copied else 0
@@ -162,8 +163,9 @@ class RankWriter:
             self._error = self._error or e
             return 0
         finally:
-            with self._counting:
+            with self._written:
                 self._on_device -= copies
+                self._written.notify_all()
 
     def _held(self, tensor: torch.Tensor, stable: bool,
               on_host: bool = False) -> tuple[torch.Tensor, Optional[torch.cuda.Event], bool]:
@@ -171,9 +173,11 @@ class RankWriter:
         the event the thread waits for first (the copy done, or the tensor final); and whether it
         was copied on the device. There a copy costs the step a fraction of a millisecond, and the
         thread streams it out through its two pinned buffers on a side stream (staging.py), while a
-        quarter of the device memory free at the first copy holds the copies not yet written. A
-        copy into host memory is page-locked anew (cudaHostAlloc: 8 ms a tensor, 0.5 s a GiB on the
-        H200 host, measured) and crosses to the host on the step's own stream."""
+        quarter of the device memory free at the first copy holds the copies not yet written. When
+        that room is full the run waits for the disk to free some (_room_on_device). A copy into host
+        memory (a tensor larger than the room, or a small one summed on the host) is page-locked anew
+        (cudaHostAlloc: 8 ms a tensor, 0.5 s a GiB on the H200 host, measured) and crosses to the
+        host on the step's own stream."""
         if tensor.device.type == "cpu":
             return (tensor.contiguous() if stable else tensor.clone(memory_format=torch.contiguous_format)), None, False
         on_device = not stable and not on_host and self._room_on_device(tensor)
@@ -189,11 +193,22 @@ class RankWriter:
         return held, ready, on_device
 
     def _room_on_device(self, tensor: torch.Tensor) -> bool:
-        with self._counting:
+        """Whether `tensor` is copied on the device: room is taken for it, waiting for the writing
+        threads to release copies where needed. A dump larger than the room was page-locked into
+        host memory past it, tensor by tensor: with no bound on the host memory held, at 0.5 s a
+        GiB on the step's thread (22 GiB of the 8B-wide model's fp32 dump on an H100), while the
+        disk, which bounds the run either way, wrote the files behind it."""
+        with self._written:
             if self._device_room is None:
                 self._device_room = torch.cuda.mem_get_info(tensor.device)[0] // 4
-            if self._on_device + tensor.nbytes > self._device_room:
+            if tensor.nbytes > self._device_room:
                 return False
+        if self._on_device + tensor.nbytes > self._device_room:
+            self._flush()  # the copies waiting for a file of their own are written too
+        with self._written:
+            self._written.wait_for(lambda: self._on_device + tensor.nbytes <= self._device_room or self._error)
+            if self._error is not None:
+                return False  # nothing more is written: the run goes on to raise it
             self._on_device += tensor.nbytes
             return True
 

@@ -238,11 +238,12 @@ def test_stats_only_records_the_values_as_they_were_added_on_each_device(tmp_pat
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu.sh runs it")
 def test_device_tensors_are_written_as_they_were_added_copied_on_the_device_or_the_host(tmp_path):
-    """The first tensors are copied on the device; past the room left for copies there, into pinned
-    host memory: both write the value the tensor had when it was added."""
-    writer = RankWriter(tmp_path / "device", RankCoords(rank=0), flush_bytes=1000)
-    writer._device_room = 3000  # two of the tensors below fit on the device, the rest do not
-    tensors = [torch.randn(30, 10, device="cuda") for _ in range(5)]
+    """Tensors are copied on the device, two at a time in the room left for copies there: the third
+    waits for the first two, which are written first though their file is not full; one larger than
+    the room goes through pinned host memory. All write the value the tensor had when added."""
+    writer = RankWriter(tmp_path / "device", RankCoords(rank=0), flush_bytes=10_000)
+    writer._device_room = 3000
+    tensors = [torch.randn(30, 10, device="cuda") for _ in range(5)] + [torch.randn(40, 25, device="cuda")]
     expected = [t.cpu() for t in tensors]
     for i, tensor in enumerate(tensors):
         writer.add("activation", f"t{i}", tensor, Sharding())
@@ -254,4 +255,5 @@ def test_device_tensors_are_written_as_they_were_added_copied_on_the_device_or_t
         got = torch.empty(location.shape, dtype=location.dtype)
         read_into(location, got)
         assert torch.equal(got, want) and record.hash == content_hash(want)
+    assert len({record.file for record in writer.records}) == 3  # [t0 t1] [t2 t3] [t4 t5]
     assert writer._on_device == 0  # every copy on the device released once written
