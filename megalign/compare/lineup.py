@@ -4,7 +4,8 @@ When the sources' rows differ, every token tensor (one with a batch dim and a se
 mapped to its real tokens, document by document in order: [tokens, ...]. Both sides then hold the
 same tokens in the same order, whatever the packing and the padding, and compare as usual. A tensor
 with a sequence dim and no batch dim (the RoPE table: positions, not tokens) cannot be mapped; it
-is set apart, with the reason, instead of failing as a shape mismatch. A tensor that one side holds
+is set apart, with the reason, instead of failing as a shape mismatch; so is one with a batch dim
+that holds the rows' length on a dim not recorded as its sequence dim. A tensor that one side holds
 at some of the real tokens only (an sglang server's next-token logits: Entry.tokens) is compared at
 those tokens: the other side's is cut to them.
 """
@@ -20,6 +21,8 @@ from megalign.compare.entries import Entry, Source, Value
 from megalign.dump.layout import BatchRow
 
 APART = "a sequence dim without a batch dim: not lined up between differently packed or padded batches"
+APART_UNNAMED = ("a batch dim and the rows' length on a dim not recorded as the sequence dim (attention "
+                 "weights [batch, heads, seq, seq]): not lined up between differently packed or padded batches")
 
 
 def line_up(*sources: Optional[Source]) -> list[Optional[Source]]:
@@ -68,6 +71,9 @@ def _line_up(entry: Entry, rows: list[BatchRow]) -> Entry:
         return replace(entry, load=load, shape=shape, nbytes=None)
     if entry.seq_dim is not None:
         return replace(entry, apart=APART)
+    if entry.batch_dim is not None and entry.shape is not None and \
+            rows[0].bounds[-1] in [size for dim, size in enumerate(entry.shape) if dim != entry.batch_dim]:
+        return replace(entry, apart=APART_UNNAMED)
     return entry
 
 

@@ -43,7 +43,7 @@ from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
                                   write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
-from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
+from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
                                             output_sharding, packed_row, without_layout)
 from megalign.dump.meta import dump_meta
@@ -93,8 +93,12 @@ class Dumper:
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks: list = []
         self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
-        self._row: Optional[BatchRow] = None  # this DP rank's packed (THD) row, where the model saw one
-        self._rows: dict[int, Optional[BatchRow]] = {}  # every DP rank's, gathered at close
+        # This DP rank's rows as the model saw them: its packed (THD) row, or its padded rows where
+        # watch() was given seq_dim; every DP rank's, gathered at close.
+        self._row: Optional[tuple[BatchRow, ...]] = None
+        self._rows: dict[int, Optional[tuple[BatchRow, ...]]] = {}
+        self._packed = False
+        self._seq_len: Optional[int] = None  # tokens a row of the watched module's input, where seq_dim is given
         self._cp_split = "document"
         self._steps: list[int] = []
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
@@ -165,7 +169,7 @@ class Dumper:
             tensor.register_hook(on_grad)
 
     def watch(self, module: torch.nn.Module, prefix: str = "", batch_dim: Optional[int] = 0,
-              outputs: bool = True, cp_split: str = "document") -> None:
+              outputs: bool = True, cp_split: str = "document", seq_dim: Optional[int] = None) -> None:
         """Dump the output of every submodule of `module` (kind activation, named by its path, with
         `prefix.` before it; a tuple's further outputs as `name#1`, ...), the gradient of each output
         when backward reaches it (activation_grad), and, at the end of each `step`, the parameter
@@ -188,7 +192,12 @@ class Dumper:
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
         computes the same outputs); an output is split only where it has as many rows there as the
-        first tensor `module` was called with (the rest, rotary tables, are replicas). torch's DDP is
+        first tensor `module` was called with (the rest, rotary tables, are replicas). `seq_dim`: the
+        dim of that tensor (input_ids [batch, seq]: 1) and of the outputs that holds the tokens; an
+        output with as many there is recorded as a token tensor, and the rows' real tokens are read
+        from the call's `attention_mask` [batch, seq] (1 real, 0 padding, right-padded; none: every
+        token real), so that compare lines up runs padded or packed differently token by token
+        (compare/lineup.py). Every DP rank pads to one length, the same in each dumped step. torch's DDP is
         unwrapped (names as the model's own); FSDP2 and tensor parallel's DTensors are placed by their
         placements. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
         megalign.Sharding)."""
@@ -214,12 +223,17 @@ class Dumper:
             self._watched.setdefault(named(path), param)
         if not outputs:
             return
-        if not megatron and self.layout.dp > 1 and batch_dim is not None:  # only a DP split needs the batch's rows
-            self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim), with_kwargs=True))
+        if seq_dim is not None and (megatron or batch_dim is None or seq_dim == batch_dim):
+            raise ValueError("seq_dim names the token dim beside batch_dim, of a model other than megatron-core's "
+                             "(whose layout is known)")
+        if not megatron and batch_dim is not None and (self.layout.dp > 1 or seq_dim is not None):
+            # A DP split needs the batch's rows; token tensors, the rows' length and padding.
+            self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim, seq_dim),
+                                                                with_kwargs=True))
         if cp_split not in CP_SPLITS:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
         self._cp_split = cp_split
-        layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim)
+        layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim, seq_dim)
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 continue
@@ -229,13 +243,17 @@ class Dumper:
             if megatron and path.endswith(INPUT_CAPTURED):
                 self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path, True))))
 
-    def _batch_layout(self, batch_dim: Optional[int]) -> Callable:
-        """Any module's outputs: split over DP ranks on `batch_dim`, else replicas."""
+    def _batch_layout(self, batch_dim: Optional[int], seq_dim: Optional[int]) -> Callable:
+        """Any module's outputs: split over DP ranks on `batch_dim`, else replicas; with `seq_dim`,
+        those with the rows' tokens there are token tensors (their batch dim recorded at any DP size)."""
         def layout_of(path: str, of_input: bool = False) -> Callable:
             def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
-                split = (batch_dim is not None and tensor.ndim > batch_dim and self.layout.dp > 1
-                         and not is_dtensor(tensor) and self._batch in (None, tensor.shape[batch_dim]))
-                return (Sharding(dp_dim=batch_dim) if split else Sharding()), None
+                if is_dtensor(tensor):
+                    return Sharding(), None
+                split = (batch_dim is not None and tensor.ndim > batch_dim and (self.layout.dp > 1 or seq_dim is not None)
+                         and self._batch in (None, tensor.shape[batch_dim]))
+                tokens = seq_dim is not None and tensor.ndim > seq_dim and tensor.shape[seq_dim] == self._seq_len
+                return Sharding(dp_dim=batch_dim if split else None, seq_dim=seq_dim if tokens else None), None
 
             return sharding
 
@@ -253,7 +271,12 @@ class Dumper:
             params = kwargs.get("packed_seq_params")
             packed[0] = params is not None
             if packed[0] and self._writing:
-                self._learn_row(packed_row(params), tokens)
+                row = packed_row(params)
+                if tokens.shape[0] != 1 or tokens.shape[1] * self.layout.cp != row.bounds[-1]:
+                    raise UserError(f"packed rows: input_ids {list(tokens.shape)} on each of {self.layout.cp} CP "
+                                    f"ranks is not one row of the {row.bounds[-1]} tokens cu_seqlens_q_padded ends at")
+                self._packed = True
+                self._learn_rows((row,))
 
         self._hooks.append(model.register_forward_pre_hook(learn, with_kwargs=True))
 
@@ -272,15 +295,13 @@ class Dumper:
 
         return layout_of
 
-    def _learn_row(self, row: BatchRow, tokens: torch.Tensor) -> None:
-        """This DP rank's packed row, which dump.json records for compare to undo the CP split by."""
-        if tokens.shape[0] != 1 or tokens.shape[1] * self.layout.cp != row.bounds[-1]:
-            raise UserError(f"packed rows: input_ids {list(tokens.shape)} on each of {self.layout.cp} CP ranks "
-                            f"is not one row of the {row.bounds[-1]} tokens cu_seqlens_q_padded ends at")
-        if self._row not in (None, row):
-            raise UserError("packed rows: this step's documents differ from an earlier dumped step's, and a "
-                            "dump holds one batch layout; dump one step (steps=[n]) or pack the same documents")
-        self._row = row
+    def _learn_rows(self, rows: tuple[BatchRow, ...]) -> None:
+        """This DP rank's rows, which dump.json records: compare undoes a packed row's CP split by
+        them, and lines up runs whose rows differ token by token."""
+        if self._row not in (None, rows):
+            raise UserError("this step's rows (documents, padding) differ from an earlier dumped step's, and a "
+                            "dump holds one batch layout; dump one step (steps=[n]) or keep the rows")
+        self._row = rows
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -342,8 +363,8 @@ class Dumper:
 
         self._on_rank_zero(land)
 
-    def _every_row(self) -> dict[int, Optional[BatchRow]]:
-        """Each DP rank's packed row (None: its model saw none), from its first TP and CP rank."""
+    def _every_row(self) -> dict[int, Optional[tuple[BatchRow, ...]]]:
+        """Each DP rank's rows (None: none seen), from its first TP and CP rank."""
         if self._world == 1:
             return {0: self._row}
         rows: list = [None] * self._world
@@ -360,10 +381,14 @@ class Dumper:
         rows = {}
         if any(row is not None for row in self._rows.values()):
             if None in self._rows.values():
-                raise UserError("packed rows: some DP ranks' model was called without packed_seq_params")
-            ordered = [self._rows[dp_rank] for dp_rank in range(self.layout.dp)]
-            rows = {"rows": [row.to_dict() for row in ordered], "cp_split": self._cp_split, "packed": True,
-                    "num_sequences": sum(len(row.lengths) for row in ordered)}
+                raise UserError("rows: some DP ranks' model saw no rows (packed_seq_params, or an input with seq_dim)")
+            ordered = [row for dp_rank in range(self.layout.dp) for row in self._rows[dp_rank]]
+            if len({row.bounds[-1] for row in ordered}) > 1:
+                raise UserError(f"rows: the DP ranks' batches are padded to different lengths "
+                                f"({sorted({row.bounds[-1] for row in ordered})}); pad every rank's to one")
+            rows = {"rows": [row.to_dict() for row in ordered],
+                    "num_sequences": sum(len(row.lengths) for row in ordered),
+                    **({"cp_split": self._cp_split, "packed": True} if self._packed else {})}
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                          self.layout, {"dtype": dtype, "stats_only": self._writer.stats_only,
                                        "steps": self._steps, **rows})
@@ -401,12 +426,18 @@ class Dumper:
 
         return record
 
-    def _batch_hook(self, batch_dim: int) -> Callable:
-        """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's batch."""
+    def _batch_hook(self, batch_dim: int, seq_dim: Optional[int]) -> Callable:
+        """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's
+        batch; with `seq_dim`, its tokens a row, and the rows' real tokens (padded_rows)."""
         def read(module, args, kwargs):
             first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-            if first is not None and first.ndim > batch_dim:
-                self._batch = first.shape[batch_dim]
+            if first is None or first.ndim <= max(batch_dim, seq_dim or 0):
+                return
+            self._batch = first.shape[batch_dim]
+            if seq_dim is not None:
+                self._seq_len = first.shape[seq_dim]
+                if self._writing:
+                    self._learn_rows(padded_rows(kwargs.get("attention_mask"), self._batch, self._seq_len))
 
         return read
 

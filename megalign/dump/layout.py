@@ -135,6 +135,22 @@ class BatchRow:
         return {"bounds": list(self.bounds), "lengths": list(self.lengths)}
 
 
+def padded_rows(mask: Optional[torch.Tensor], rows: int, length: int) -> tuple[BatchRow, ...]:
+    """A padded batch's rows, each one document, from its attention mask [rows, length] (nonzero:
+    a real token; each row's real tokens first, the padding after); None: every token real."""
+    if mask is None:
+        return (BatchRow(bounds=(0, length), lengths=(length,)),) * rows
+    if mask.ndim != 2 or tuple(mask.shape) != (rows, length):
+        raise UserError(f"attention_mask {list(mask.shape)}: the rows' padding is read from a [batch, seq] mask, "
+                        f"here [{rows}, {length}]")
+    real = mask.ne(0)
+    counts = real.sum(1)
+    if not torch.equal(real, torch.arange(length, device=mask.device) < counts[:, None]):
+        raise UserError("attention_mask: a row's real tokens do not come first (left padding, or a hole); "
+                        "rows are recorded right-padded only")
+    return tuple(BatchRow(bounds=(0, length), lengths=(n,)) for n in counts.tolist())
+
+
 def dp_rows(rows: int, dp: int, dp_rank: int) -> slice:
     """The rows of the batch (or sequences, before packing) a DP rank takes: its contiguous, equal
     share, in dp_rank order (Layout.check_sequences makes dp divide them)."""

@@ -10,6 +10,11 @@ its loss mask keeps: each rank sums its tokens' losses and divides by the whole 
 (transformers' num_items_in_batch), and FSDP2 sums the gradients over the ranks (divide factor 1).
 `--bug rank-mean` plants the classic bug: each rank's own mean over its tokens (transformers'
 default loss), averaged over the ranks. The loss mask is uneven, so the two differ.
+
+`--pad N`: rows of 8, 5, 7 and 3 real tokens, right-padded to N with an attention mask (as
+transformers' DataCollatorWithPadding(padding="max_length") gives them), the padding's labels -100.
+`--bug pad-labels` plants the padding bug: the pad tokens keep their labels, so the loss and every
+gradient depend on how far the rows were padded.
 """
 
 import argparse
@@ -23,7 +28,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import megalign
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--bug", choices=["rank-mean"])
+parser.add_argument("--bug", choices=["rank-mean", "pad-labels"])
+parser.add_argument("--pad", type=int, help="right-pad rows of 8, 5, 7 and 3 real tokens to this length")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -43,27 +49,36 @@ for module in model.modules():
         module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-BATCH, SEQ = 4, 8
+BATCH, SEQ, PAD_ID = 4, 8, 0
+LENGTHS = [8, 5, 7, 3]  # the real tokens of each row under --pad
 
 
 def batch(step):
-    """This rank's rows of the step's batch, and the tokens the whole batch's loss mask keeps."""
-    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+    """This rank's rows of the step's batch, its attention mask, and the tokens the whole batch's
+    loss mask keeps."""
+    ids = torch.randint(1, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
     labels = ids.clone()
     labels[BATCH // 2:, 2:] = -100  # uneven: the last rows are trained on their first tokens only
+    mask = torch.ones_like(ids)
+    if args.pad:
+        mask = (torch.arange(args.pad) < torch.tensor(LENGTHS)[:, None]).long()
+        ids = torch.nn.functional.pad(ids, (0, args.pad - SEQ)).masked_fill(mask == 0, PAD_ID)
+        labels = torch.nn.functional.pad(labels, (0, args.pad - SEQ)).masked_fill(mask == 0, PAD_ID)
+        if args.bug != "pad-labels":
+            labels = labels.masked_fill(mask == 0, -100)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    return ids[rows], labels[rows], (labels[:, 1:] != -100).sum()  # transformers shifts the labels
+    return ids[rows], mask[rows], labels[rows], (labels[:, 1:] != -100).sum()  # transformers shifts the labels
 
 
 dumper = megalign.Dumper.from_env(params=True)
-dumper.watch(model, batch_dim=0)  # every module's output by its HF name, the DTensor gradients
+dumper.watch(model, batch_dim=0, seq_dim=1)  # every module's output by its HF name, the DTensor gradients
 for step in range(2):
-    ids, labels, tokens = batch(step)
+    ids, mask, labels, tokens = batch(step)
     with dumper.step(step):
         if args.bug == "rank-mean":
-            loss = model(input_ids=ids, labels=labels).loss / world
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss / world
         else:
-            loss = model(input_ids=ids, labels=labels, num_items_in_batch=tokens).loss
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=tokens).loss
         reported = loss.detach().clone()
         dist.all_reduce(reported)
         dumper.add("loss", "loss", reported)

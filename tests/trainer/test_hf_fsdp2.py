@@ -3,10 +3,13 @@ fully_shard on each decoder layer and the root, AdamW, two steps) dumped with
 `megalign.Dumper.from_env()` under torchrun on gloo: world 2 agrees with the same script as one
 process, parameter gradients (DTensors, the 67-row embedding split 34 + 33) and activations (named
 by their HF modules) alike; the loss as each rank's mean over its uneven loss mask is caught.
+Right-padded rows (an attention mask) are lined up token by token between runs padded to other
+lengths, as `watch(model, batch_dim=0, seq_dim=1)` records them; pad tokens left in the loss are caught.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,9 +23,12 @@ SCRIPT = Path(__file__).with_name("hf_fsdp2_train.py")
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory) -> dict[str, Path]:
-    """World 1, world 2, and world 2 with the bug, side by side."""
+    """World 1, world 2, world 2 with the bug; padded rows: world 1 to 16 tokens, world 2 to 12, and
+    with the pad tokens' labels kept; side by side."""
     return dump_all(tmp_path_factory.mktemp("hf_fsdp2"), SCRIPT,
-                    {"w1": (1, ()), "w2": (2, ()), "w2_bug": (2, ("--bug", "rank-mean"))})
+                    {"w1": (1, ()), "w2": (2, ()), "w2_bug": (2, ("--bug", "rank-mean")),
+                     "w1_pad16": (1, ("--pad", "16")), "w2_pad12": (2, ("--pad", "12")),
+                     "w2_pad12_bug": (2, ("--pad", "12", "--bug", "pad-labels"))})
 
 
 def test_fsdp2_at_world_2_equals_one_process(dumps):
@@ -52,3 +58,23 @@ def test_a_per_rank_mean_over_uneven_loss_masks_is_caught_at_the_loss(dumps):
     assert result.exit_code == 1, result.output
     assert "first divergence: loss step0/loss\n" in result.output
     assert "param_grad step0/model.embed_tokens.weight" in result.output  # the gradients follow it
+
+
+def test_rows_padded_to_other_lengths_are_lined_up_token_by_token(dumps):
+    """23 real tokens (rows of 8, 5, 7 and 3) padded to 16 in one process and to 12 on each of two
+    ranks: activations and their gradients at the real tokens, parameter gradients and the steps'
+    parameters all agree; the RoPE tables and the attention weights cannot be lined up."""
+    assert [row["lengths"] for row in megalign.open(dumps["w2_pad12"]).meta["rows"]] == [[8], [5], [7], [3]]
+    result = invoke("compare", dumps["w1_pad16"], dumps["w2_pad12"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"act +step1/model.layers.1.mlp.down_proj +23x32 .* PASS", result.output)
+    assert re.search(r"act_grad +step0/model.embed_tokens +23x32 .* PASS", result.output)
+    assert "202 compared, 202 passed, 0 failed, 12 not lined up" in result.output
+    assert "APART   a batch dim and the rows' length on a dim not recorded as the sequence dim" in result.output
+
+
+def test_pad_tokens_left_in_the_loss_are_caught_at_the_loss(dumps):
+    """Twin: the padding's labels kept: the loss counts the pad tokens too, as many as each run padded."""
+    result = invoke("compare", dumps["w1_pad16"], dumps["w2_pad12_bug"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: loss step0/loss\n" in result.output

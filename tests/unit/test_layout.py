@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalign.dump.layout import (BatchRow, cp_bounds, cp_positions, cp_split_bounds, dp_rows, zigzag_chunks,
-                                  zigzag_positions)
+from megalign.dump.layout import (BatchRow, cp_bounds, cp_positions, cp_split_bounds, dp_rows, padded_rows,
+                                  zigzag_chunks, zigzag_positions)
 from megalign.dump.sharding import merge_cp
+from megalign.errors import UserError
 
 PACKED = BatchRow(bounds=(0, 8, 12, 24), lengths=(7, 4, 9))  # three documents, padded to multiples of 4
 PADDED = BatchRow(bounds=(0, 16), lengths=(11,))
@@ -84,3 +85,15 @@ def test_kinds_are_one_list_and_every_kind_table_names_only_kinds():
                                     "loss", "routing", "param")
     for table in (PHASES, *BUDGET.values(), *DEFAULTS.values()):
         assert set(table) <= set(KINDS)
+
+
+def test_padded_rows_are_read_from_a_right_padded_attention_mask():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert padded_rows(mask, 3, 4) == tuple(BatchRow(bounds=(0, 4), lengths=(n,)) for n in (3, 4, 0))
+    assert padded_rows(None, 2, 5) == (BatchRow(bounds=(0, 5), lengths=(5,)),) * 2
+    with pytest.raises(UserError, match="real tokens do not come first"):
+        padded_rows(torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 3)  # left padding
+    with pytest.raises(UserError, match="real tokens do not come first"):
+        padded_rows(torch.tensor([[1, 0, 1]]), 1, 3)  # a hole
+    with pytest.raises(UserError, match=r"\[batch, seq\] mask, here \[2, 3\]"):
+        padded_rows(torch.ones(2, 1, 3, 3), 2, 3)  # a 4D mask
