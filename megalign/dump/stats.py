@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Iterable, Union
 
 import torch
@@ -29,13 +29,15 @@ class TensorStats:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorStats":
-        """Sums accumulate in float32 through torch's cascade summation within chunks of CHUNK elements
-        and in float64 across them (about 1e-7 relative; seen: 1e-7 on 2e7 normal values): float64
-        accumulation throughout costs several times more on a CPU. vector_norm is avoided: its float32
+        """On a CPU, one compiled pass a chunk, every sum in float64 (_host_stats). On a device, sums
+        accumulate in float32 through torch's cascade summation and in float64 across chunks (about
+        1e-7 relative; seen: 1e-7 on 2e7 normal values). vector_norm is avoided: its float32
         accumulation lost 0.2% on the same values."""
         x = tensor.detach().flatten()
         if not x.is_floating_point():
             x = x.double()  # token ids and masks: small, and exact in float64
+        if x.device.type == "cpu":
+            return cls(tensor.numel(), *_host_stats(x))
         total, sum_sq, abs_sum = _sums(x)
         nan = inf = 0
         if not (math.isfinite(total) and math.isfinite(sum_sq)):  # a NaN or Inf somewhere (or overflow)
@@ -79,29 +81,49 @@ class TensorStats:
         return math.sqrt(max(self.sum_sq / n - self.mean ** 2, 0.0))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # Not dataclasses.asdict, which deep-copies each value: 8% of a stats-only training loop's time.
+        return {name: getattr(self, name) for name in _FIELDS}
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TensorStats":
         return cls(**raw)
 
 
+_FIELDS = tuple(field.name for field in fields(TensorStats))
+
+
 def _sums(x: torch.Tensor) -> tuple[float, float, float]:
-    """Sum, sum of squares and sum of absolute values of a flat tensor. On a CPU, CHUNK elements at a
-    time, each copied into one reused buffer of the accumulating dtype where its absolute values and
-    squares are taken: a whole-tensor temporary costs a page fault per 4 KiB (the statistics took
-    twice as long, measured); on a device, whole."""
-    accumulate = torch.float64 if x.dtype == torch.float64 else torch.float32
-    step = CHUNK if x.device.type == "cpu" else max(x.numel(), 1)
-    scratch = torch.empty(min(step, x.numel()), dtype=accumulate, device=x.device)
+    """Sum, sum of squares and sum of absolute values of a flat device tensor, in the accumulating
+    dtype (bf16 squared in bf16 would round every square)."""
+    buffer = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return float(buffer.sum()), float(buffer.mul(buffer).sum()), float(buffer.abs().sum())
+
+
+def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int, int]:
+    """(sum, sum of squares, sum of |x|, min, max) over a flat CPU tensor's finite values, its NaN and
+    Inf counts: CHUNK elements at a time, bf16 and fp16 widened into one reused float32 buffer (numpy
+    has no bf16; a whole-tensor copy costs a page fault per 4 KiB). The sums in one compiled pass and
+    numpy's min and max, not torch's reductions: seven of them a tensor, each with its dispatch, were
+    25% of a stats-only training loop's time on a CPU (cProfile, bench_trainer's model). The extremes
+    are not in the compiled loop: a min and max there keep LLVM from vectorizing it (7x slower,
+    measured), and numpy's are vectorized."""
+    from megalign.dump.host_kernels import careful_stats, fast_sums  # numba: imported where first needed
+
     total = sum_sq = abs_sum = 0.0
-    for start in range(0, x.numel(), step):
-        piece = x[start:start + step]
-        buffer = scratch[:piece.numel()].copy_(piece)  # bf16 squared in bf16 would round every square
-        total += float(buffer.sum())
-        abs_sum += float(buffer.abs_().sum())
-        sum_sq += float(buffer.mul_(buffer).sum())
-    return total, sum_sq, abs_sum
+    low, high, nan, inf = math.inf, -math.inf, 0, 0
+    widen = x.dtype not in (torch.float32, torch.float64)
+    scratch = torch.empty(min(CHUNK, x.numel()), dtype=torch.float32) if widen else None
+    for start in range(0, x.numel(), CHUNK):
+        piece = x[start:start + CHUNK]
+        values = (scratch[:piece.numel()].copy_(piece) if widen else piece).numpy()
+        part = (*fast_sums(values), float(values.min()), float(values.max()), 0, 0)
+        if not (math.isfinite(part[0]) and math.isfinite(part[1])):  # a NaN or Inf here (or overflow)
+            part = careful_stats(values)
+        total, sum_sq, abs_sum = total + part[0], sum_sq + part[1], abs_sum + part[2]
+        low, high, nan, inf = min(low, part[3]), max(high, part[4]), nan + part[5], inf + part[6]
+    if nan + inf == x.numel():  # empty, or nothing finite
+        low = high = math.nan
+    return total, sum_sq, abs_sum, low, high, nan, inf
 
 
 def device_summary(tensor: torch.Tensor, fused: bool = False) -> torch.Tensor:
