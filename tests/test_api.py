@@ -224,3 +224,56 @@ def test_the_private_torch_api_close_waits_on_still_counts_cpp_references():
     assert buffer._use_count() > alone
     del view
     assert buffer._use_count() == alone
+
+
+class MaskedModel(torch.nn.Module):
+    """A user's model called as `model(ids, mask)`: an embedding and a projection; the mask is for the
+    loss (the caller's), as a causal LM's attention mask keeps pad tokens out of real tokens' outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = torch.nn.Embedding(11, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.proj(self.embed(input_ids))
+
+
+def masked_step(out: Path, pad: int, mask_4d: bool = False, pads_in_loss: bool = False) -> None:
+    """One step over two rows of 3 and 4 real tokens, right-padded to `pad`; `mask_4d`: the mask given
+    as [batch, 1, seq, seq], as some models take it; `pads_in_loss`: the planted bug, pad tokens in the loss."""
+    torch.manual_seed(0)
+    model = MaskedModel()
+    mask = (torch.arange(pad) < torch.tensor([[3], [4]])).long()
+    ids = (torch.arange(1, 13).reshape(2, 6)[:, :pad] % 11).masked_fill(mask == 0, 0)  # the same real tokens
+    given = mask[:, None, None, :].expand(2, 1, pad, pad) if mask_4d else mask
+    with megalign.Dumper(out) as dumper:
+        dumper.watch(model, batch_dim=0, seq_dim=1)
+        with dumper.step(0):
+            loss = (model(ids, given).sum(-1) * (1 if pads_in_loss else mask)).sum()
+            dumper.add("loss", "loss", loss.detach())
+            loss.backward()
+
+
+def test_rows_a_dumper_cannot_read_are_dropped_with_a_warning_and_their_token_tensors_set_apart(tmp_path):
+    """A 4D mask: the rows cannot be read from it. The step goes on (raised inside the hook, one
+    rank would stop mid-step), the dump lands with `rows_unknown`, and compare sets apart the token
+    tensors shaped unlike the other run's (padded to 6 against 4), comparing the rest: exit 0."""
+    with pytest.warns(UserWarning, match=r"rows are not recorded \(attention_mask \[2, 1, 6, 6\]"):
+        masked_step(tmp_path / "mask4d", pad=6, mask_4d=True)
+    masked_step(tmp_path / "pad4", pad=4)
+    assert megalign.open(tmp_path / "mask4d").meta["rows_unknown"].startswith("DP rank 0: attention_mask [2, 1, 6, 6]")
+    result = invoke("compare", tmp_path / "mask4d", tmp_path / "pad4")
+    assert result.exit_code == 0, result.output
+    assert "APART   a token tensor of a dump whose rows were not recorded" in result.output
+    assert "4 compared, 4 passed, 0 failed, 4 not lined up" in result.output
+
+
+def test_a_divergence_beside_unrecorded_rows_is_still_caught(tmp_path):
+    """Twin: the pad tokens counted in the loss of the run padded to 4: the loss, then the
+    parameter gradients, differ; set apart are only the token tensors."""
+    with pytest.warns(UserWarning):
+        masked_step(tmp_path / "mask4d", pad=6, mask_4d=True)
+    masked_step(tmp_path / "pad4_bug", pad=4, pads_in_loss=True)
+    result = invoke("compare", tmp_path / "mask4d", tmp_path / "pad4_bug")
+    assert result.exit_code == 1, result.output
+    assert "first divergence: loss loss\n" in result.output

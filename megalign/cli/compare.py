@@ -302,8 +302,8 @@ def _print_summary(report: Report, judging: Judging) -> None:
         parts.append(f"[yellow]{s.unverifiable} unverifiable[/] ({escape(names)}: what the values stand for is not "
                      "recorded; no divergence)")
     if s.apart:
-        parts.append(f"[yellow]{s.apart} not lined up[/] (positions or attention weights, not tokens, "
-                     "in differently packed or padded batches)")
+        parts.append(f"[yellow]{s.apart} not lined up[/] (positions, attention weights or tokens of "
+                     "unrecorded rows, in differently packed or padded batches: see the notes)")
     console.print(", ".join(parts), highlight=False, soft_wrap=True)
     if s.nonfinite_in_both:
         verdict = "failed (--strict-nonfinite)" if judging.strict_nonfinite else "not failed"

@@ -76,6 +76,9 @@ class Entry:
     # Where its rows are some of the real tokens only (an sglang server's next-token logits): their
     # indexes, document after document; the other side's same tensor is cut to them (lineup.py).
     tokens: Optional[list[int]] = None
+    # The rows of the batch it was made from, where they differ from step to step (a Dumper's
+    # step_rows); None: the source's rows.
+    rows: Optional[list[BatchRow]] = None
     # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
     # in a caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
@@ -102,6 +105,9 @@ class Source:
     # Its padding holds no values (an sglang server's requests, lined up by position): token tensors are
     # compared by their real tokens even against a run whose rows look the same (lineup.py).
     tokens_only: bool = False
+    # Why its rows were not recorded (a Dumper's rows_unknown): its token tensors are set apart
+    # where their shapes differ from the other side's (lineup.py).
+    rows_unknown: Optional[str] = None
 
 
 def phase(kind: Optional[str]) -> int:

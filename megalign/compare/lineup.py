@@ -5,7 +5,10 @@ mapped to its real tokens, document by document in order: [tokens, ...]. Both si
 same tokens in the same order, whatever the packing and the padding, and compare as usual. A tensor
 with a sequence dim and no batch dim (the RoPE table: positions, not tokens) cannot be mapped; it
 is set apart, with the reason, instead of failing as a shape mismatch; so is one with a batch dim
-that holds the rows' length on a dim not recorded as its sequence dim. A tensor that one side holds
+that holds the rows' length on a dim not recorded as its sequence dim (or on a second dim beside
+it). A dump of several steps may hold each step's rows (a Dumper's step_rows, dynamic padding):
+each tensor is lined up by its own step's. Where a dump's rows were not recorded (rows_unknown), a
+token tensor shaped unlike the other side's is set apart with the reason. A tensor that one side holds
 at some of the real tokens only (an sglang server's next-token logits: Entry.tokens) is compared at
 those tokens: the other side's is cut to them.
 """
@@ -21,6 +24,7 @@ from megalign.compare.entries import Entry, Source, Value
 from megalign.dump.layout import BatchRow
 
 APART = "a sequence dim without a batch dim: not lined up between differently packed or padded batches"
+APART_UNKNOWN = "a token tensor of a dump whose rows were not recorded, shaped unlike the other side's"
 APART_UNNAMED = ("a batch dim and the rows' length on a dim not recorded as the sequence dim (attention "
                  "weights [batch, heads, seq, seq]): not lined up between differently packed or padded batches")
 
@@ -28,12 +32,24 @@ APART_UNNAMED = ("a batch dim and the rows' length on a dim not recorded as the 
 def line_up(*sources: Optional[Source]) -> list[Optional[Source]]:
     """The sources with token tensors mapped to real tokens where their rows differ; else unchanged."""
     present = [s for s in sources if s is not None]
-    rows = [s.rows for s in present]
-    if any(r is None for r in rows) or (all(r == rows[0] for r in rows) and not any(s.tokens_only for s in present)):
-        return list(sources)  # the same batch on every side (or a format that does not say): nothing to map
-    lined = [None if s is None else replace(s, entries=[_line_up(e, s.rows) for e in s.entries]) for s in sources]
-    return [None if s is None else _cut_to_tokens(s, [o for o in lined if o is not None and o is not s])
-            for s in lined]
+    # (kind, name) -> (the rows it was made from, the entry), a side each: rows differ from step to step.
+    rows = {id(s): {(e.kind, e.name): (s.rows if e.rows is None else e.rows, e) for e in s.entries} for s in present}
+    tokens_only = any(s.tokens_only for s in present)
+    unknown = next((f"{s.path}: {s.rows_unknown}" for s in present if s.rows_unknown), None)
+
+    def lined(entry: Entry, own: Optional[list[BatchRow]]) -> Entry:
+        sides = [side[(entry.kind, entry.name)] for side in rows.values() if (entry.kind, entry.name) in side]
+        if any(r is None for r, _ in sides):  # a side whose format does not say (or whose rows were lost)
+            differ = unknown and entry.seq_dim is not None and any(e.shape != entry.shape for _, e in sides)
+            return replace(entry, apart=f"{APART_UNKNOWN} ({unknown})") if differ else entry
+        if all(r == own for r, _ in sides) and not tokens_only:
+            return entry  # the same batch on every side: nothing to map
+        return _line_up(entry, own, sides)
+
+    lined_up = [None if s is None else replace(s, entries=[lined(e, rows[id(s)][(e.kind, e.name)][0])
+                                                          for e in s.entries]) for s in sources]
+    return [None if s is None else _cut_to_tokens(s, [o for o in lined_up if o is not None and o is not s])
+            for s in lined_up]
 
 
 def _cut_to_tokens(source: Source, others: list[Source]) -> Source:
@@ -59,7 +75,10 @@ def _cut_to_tokens(source: Source, others: list[Source]) -> Source:
                                     else e for e in source.entries])
 
 
-def _line_up(entry: Entry, rows: list[BatchRow]) -> Entry:
+def _line_up(entry: Entry, rows: list[BatchRow], sides: list[tuple[list[BatchRow], Entry]]) -> Entry:
+    """The entry mapped to its real tokens, or set apart; `sides`: every side's (rows, entry) of it."""
+    if entry.batch_dim is not None and _positions(entry, sides):
+        return replace(entry, apart=APART_UNNAMED)
     if entry.batch_dim is not None and entry.seq_dim is not None:
         def load() -> Value:
             return real_tokens(entry.load(), entry.batch_dim, entry.seq_dim, rows)
@@ -71,10 +90,19 @@ def _line_up(entry: Entry, rows: list[BatchRow]) -> Entry:
         return replace(entry, load=load, shape=shape, nbytes=None)
     if entry.seq_dim is not None:
         return replace(entry, apart=APART)
-    if entry.batch_dim is not None and entry.shape is not None and \
-            rows[0].bounds[-1] in [size for dim, size in enumerate(entry.shape) if dim != entry.batch_dim]:
-        return replace(entry, apart=APART_UNNAMED)
     return entry
+
+
+def _positions(entry: Entry, sides: list[tuple[list[BatchRow], Entry]]) -> bool:
+    """Whether a dim of the entry other than its batch and sequence dims holds, on every side, that
+    side's rows' length: positions (attention weights [batch, heads, seq, seq]), which no token map
+    lines up. A features dim that equals one side's length only (k_proj's 16 outputs against rows
+    padded to 16 and to 12) is not one."""
+    shapes = [(e.shape, r[0].bounds[-1]) for r, e in sides]
+    if any(shape is None or len(shape) != len(entry.shape or ()) for shape, _ in shapes):
+        return False
+    return any(all(shape[dim] == length for shape, length in shapes)
+               for dim in range(len(entry.shape)) if dim not in (entry.batch_dim, entry.seq_dim))
 
 
 def real_tokens(value: Value, batch_dim: int, seq_dim: int, rows: list[BatchRow]) -> Value:

@@ -28,6 +28,7 @@ MEGALIGN_DUMP_STEPS picks the steps; unset, a NullDumper that installs nothing.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import time
@@ -43,10 +44,11 @@ from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
                                   write_json_atomic)
 from megalign.dump.landing import check_out, staged, staging_dir
-from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, padded_rows
+from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
                                             output_sharding, packed_row, without_layout)
 from megalign.dump.meta import dump_meta
+from megalign.dump.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter
@@ -93,10 +95,11 @@ class Dumper:
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks: list = []
         self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
-        # This DP rank's rows as the model saw them: its packed (THD) row, or its padded rows where
-        # watch() was given seq_dim; every DP rank's, gathered at close.
-        self._row: Optional[tuple[BatchRow, ...]] = None
-        self._rows: dict[int, Optional[tuple[BatchRow, ...]]] = {}
+        # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
+        # padded rows where watch() was given seq_dim; every DP rank's, gathered at close (rows.py).
+        self._row_log = RowLog()
+        self._row_logs: dict[int, RowLog] = {}
+        self._step_now: Optional[int] = None
         self._packed = False
         self._seq_len: Optional[int] = None  # tokens a row of the watched module's input, where seq_dim is given
         self._cp_split = "document"
@@ -183,8 +186,8 @@ class Dumper:
         (rank r holds chunks r and 2*CP-1-r of every sequence, as megatron.core.utils.
         get_batch_on_this_cp_rank gives them; another split would read as a divergence). Packed (THD)
         rows: the documents are read from the packed_seq_params of each forward call (cu_seqlens_q,
-        and cu_seqlens_q_padded where the documents are padded), one packed row a DP rank, the same
-        in every dumped step; `cp_split` says how the row was split over CP ranks: "document", every
+        and cu_seqlens_q_padded where the documents are padded), one packed row a DP rank (split per
+        document over CP ranks: the same in every dumped step); `cp_split` says how the row was split over CP ranks: "document", every
         document zigzagged on its own (get_batch_on_this_cp_rank given cu_seqlens, TE's
         thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages:
         NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
@@ -195,10 +198,11 @@ class Dumper:
         first tensor `module` was called with (the rest, rotary tables, are replicas). `seq_dim`: the
         dim of that tensor (input_ids [batch, seq]: 1) and of the outputs that holds the tokens; an
         output with as many there is recorded as a token tensor, and the rows' real tokens are read
-        from the call's `attention_mask` [batch, seq] (1 real, 0 padding, right-padded; none: every
-        token real), so that compare lines up runs padded or packed differently token by token
-        (compare/lineup.py). Every DP rank pads to one length, the same in each dumped step. torch's DDP is
-        unwrapped (names as the model's own); FSDP2 and tensor parallel's DTensors are placed by their
+        from the call's `attention_mask` [batch, seq] (by name or position; 1 real, 0 padding,
+        right-padded; none: every token real), step by step, so that compare lines up runs padded or
+        packed differently token by token (compare/lineup.py). Rows that cannot be recorded (a 4D or
+        left-padded mask, DP ranks padded to different lengths) are dropped with a warning, never
+        raised mid-step (dump/rows.py). torch's DDP is unwrapped (names as the model's own); FSDP2 and tensor parallel's DTensors are placed by their
         placements. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
         megalign.Sharding)."""
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
@@ -228,7 +232,7 @@ class Dumper:
                              "(whose layout is known)")
         if not megatron and batch_dim is not None and (self.layout.dp > 1 or seq_dim is not None):
             # A DP split needs the batch's rows; token tensors, the rows' length and padding.
-            self._hooks.append(module.register_forward_pre_hook(self._batch_hook(batch_dim, seq_dim),
+            self._hooks.append(module.register_forward_pre_hook(self._batch_hook(module, batch_dim, seq_dim),
                                                                 with_kwargs=True))
         if cp_split not in CP_SPLITS:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
@@ -272,11 +276,12 @@ class Dumper:
             packed[0] = params is not None
             if packed[0] and self._writing:
                 row = packed_row(params)
-                if tokens.shape[0] != 1 or tokens.shape[1] * self.layout.cp != row.bounds[-1]:
-                    raise UserError(f"packed rows: input_ids {list(tokens.shape)} on each of {self.layout.cp} CP "
-                                    f"ranks is not one row of the {row.bounds[-1]} tokens cu_seqlens_q_padded ends at")
                 self._packed = True
-                self._learn_rows((row,))
+                if tokens.shape[0] != 1 or tokens.shape[1] * self.layout.cp != row.bounds[-1]:
+                    self._row_log.lose(f"input_ids {list(tokens.shape)} on each of {self.layout.cp} CP ranks is "
+                                       f"not one packed row of the {row.bounds[-1]} tokens cu_seqlens_q_padded ends at")
+                else:
+                    self._row_log.saw(self._step_now, (row,))
 
         self._hooks.append(model.register_forward_pre_hook(learn, with_kwargs=True))
 
@@ -295,14 +300,6 @@ class Dumper:
 
         return layout_of
 
-    def _learn_rows(self, rows: tuple[BatchRow, ...]) -> None:
-        """This DP rank's rows, which dump.json records: compare undoes a packed row's CP split by
-        them, and lines up runs whose rows differ token by token."""
-        if self._row not in (None, rows):
-            raise UserError("this step's rows (documents, padding) differ from an earlier dumped step's, and a "
-                            "dump holds one batch layout; dump one step (steps=[n]) or keep the rows")
-        self._row = rows
-
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
         """A training step, written if `steps` chose it: when the block ends, the watched modules'
@@ -310,8 +307,8 @@ class Dumper:
         rank's shard under the distributed optimizer), with `params=True` the parameters too, and
         dump.json records `n`. End the block after the gradients are final (megatron-core:
         after finalize_model_grads) and before the optimizer step."""
-        outside = self._writing
-        self._writing = self._choice.wants(n)
+        outside, outside_step = self._writing, self._step_now
+        self._writing, self._step_now = self._choice.wants(n), n
         # From the second step on, device statistics go through a compiled kernel: its compilation
         # (seconds) pays off over a training loop, not in a run of one step (megalign's own).
         self._writer.fused_stats = bool(self._steps)
@@ -323,7 +320,7 @@ class Dumper:
                 self._dump_parameters()
                 self._steps.append(n)
         finally:
-            self._writing = outside
+            self._writing, self._step_now = outside, outside_step
 
     def _dump_parameters(self) -> None:
         names = {id(param): name for name, param in self._watched.items()}
@@ -351,7 +348,7 @@ class Dumper:
         self._writer.close({**(manifest or {}), "steps": self._marks} if self._marks else manifest)
         if self._world > 1:
             dist.barrier()  # every manifest is on disk before dump.json says the dump is complete
-        self._rows = self._every_row()
+        self._row_logs = self._every_row_log()
 
         def land() -> None:
             try:
@@ -363,14 +360,14 @@ class Dumper:
 
         self._on_rank_zero(land)
 
-    def _every_row(self) -> dict[int, Optional[tuple[BatchRow, ...]]]:
-        """Each DP rank's rows (None: none seen), from its first TP and CP rank."""
+    def _every_row_log(self) -> dict[int, RowLog]:
+        """Each DP rank's rows, from its first TP and CP rank."""
         if self._world == 1:
-            return {0: self._row}
-        rows: list = [None] * self._world
+            return {0: self._row_log}
+        logs: list = [None] * self._world
         first = self.coords.tp_rank == 0 and self.coords.cp_rank == 0 and self.coords.pp_rank == 0
-        dist.all_gather_object(rows, (self.coords.dp_rank, self._row) if first else None)
-        return dict(filter(None, rows))
+        dist.all_gather_object(logs, (self.coords.dp_rank, self._row_log) if first else None)
+        return dict(filter(None, logs))
 
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
@@ -378,17 +375,7 @@ class Dumper:
         # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
         # must not loosen every tensor to bf16 (a 10% error passed).
         dtype = max(floats, key=PRECISIONS.index, default="fp32")
-        rows = {}
-        if any(row is not None for row in self._rows.values()):
-            if None in self._rows.values():
-                raise UserError("rows: some DP ranks' model saw no rows (packed_seq_params, or an input with seq_dim)")
-            ordered = [row for dp_rank in range(self.layout.dp) for row in self._rows[dp_rank]]
-            if len({row.bounds[-1] for row in ordered}) > 1:
-                raise UserError(f"rows: the DP ranks' batches are padded to different lengths "
-                                f"({sorted({row.bounds[-1] for row in ordered})}); pad every rank's to one")
-            rows = {"rows": [row.to_dict() for row in ordered],
-                    "num_sequences": sum(len(row.lengths) for row in ordered),
-                    **({"cp_split": self._cp_split, "packed": True} if self._packed else {})}
+        rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                          self.layout, {"dtype": dtype, "stats_only": self._writer.stats_only,
                                        "steps": self._steps, **rows})
@@ -426,9 +413,12 @@ class Dumper:
 
         return record
 
-    def _batch_hook(self, batch_dim: int, seq_dim: Optional[int]) -> Callable:
+    def _batch_hook(self, module: torch.nn.Module, batch_dim: int, seq_dim: Optional[int]) -> Callable:
         """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's
-        batch; with `seq_dim`, its tokens a row, and the rows' real tokens (padded_rows)."""
+        batch; with `seq_dim`, its tokens a row, and the rows' real tokens (padded_rows) from its
+        attention_mask, passed by name or by position."""
+        mask_of = _argument(module, "attention_mask")
+
         def read(module, args, kwargs):
             first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
             if first is None or first.ndim <= max(batch_dim, seq_dim or 0):
@@ -437,7 +427,11 @@ class Dumper:
             if seq_dim is not None:
                 self._seq_len = first.shape[seq_dim]
                 if self._writing:
-                    self._learn_rows(padded_rows(kwargs.get("attention_mask"), self._batch, self._seq_len))
+                    try:
+                        self._row_log.saw(self._step_now, padded_rows(mask_of(args, kwargs), self._batch,
+                                                                      self._seq_len))
+                    except UserError as error:
+                        self._row_log.lose(str(error))
 
         return read
 
@@ -534,6 +528,23 @@ class NullDumper:
 
     def __exit__(self, kind, error, traceback) -> None:
         return None
+
+
+def _argument(module: torch.nn.Module, name: str) -> Callable[[tuple, dict], object]:
+    """Reads the argument `name` of a call of module's forward, given by name or by position
+    (`model(ids, mask)`); None where absent."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward without a signature (a builtin): by name only
+        signature = None
+
+    def read(args: tuple, kwargs: dict) -> object:
+        if signature is not None and args:
+            with contextlib.suppress(TypeError):  # a call forward itself would refuse: by name only
+                return signature.bind_partial(*args, **kwargs).arguments.get(name)
+        return kwargs.get(name)
+
+    return read
 
 
 def _param_sharding(param: torch.nn.Parameter) -> Sharding:

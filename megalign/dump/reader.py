@@ -30,8 +30,10 @@ class Dump:
     """A complete megalign dump on disk, read lazily: a tensor is read when it is loaded."""
 
     def __init__(self, path: Path, meta: dict, layout: Layout, ranks: list[RankManifest],
-                 rows: Optional[list[BatchRow]] = None):
+                 rows: Optional[list[BatchRow]] = None, step_rows: Optional[dict] = None):
         self.path, self.meta, self.layout, self.ranks, self.rows = path, meta, layout, ranks, rows
+        # Each dumped step's rows where they differ from step to step (dump.json's step_rows).
+        self.step_rows: dict[Optional[int], list[BatchRow]] = step_rows or {}
         self.files = TensorFiles()
         self._located: dict[tuple, Location] = {}
         self._checked: dict[tuple, Path] = {}  # (rank folder, file name) -> the checked file
@@ -51,7 +53,7 @@ class Dump:
             raise UserError(f"{path}: incomplete dump (no {DUMP_META}; the run that wrote it did not finish)"
                             if partial else f"{path}: not a megalign dump (no {DUMP_META})")
         meta, layout = check_meta(_read_json(meta_path), str(meta_path))
-        rows = check_rows(meta, layout, str(meta_path))
+        rows, step_rows = check_rows(meta, layout, str(meta_path))
         ranks = []
         for rank in range(meta["world_size"]):
             manifest_path = path / rank_dirname(rank) / MANIFEST
@@ -60,7 +62,15 @@ class Dump:
             coords, records, extra = check_manifest(_read_json(manifest_path), str(manifest_path), rank,
                                                     layout, manifest_path.parent)
             ranks.append(RankManifest(dir=manifest_path.parent, coords=coords, records=records, extra=extra))
-        return cls(path, meta, layout, ranks, rows)
+        return cls(path, meta, layout, ranks, rows, step_rows)
+
+    def rows_at(self, step: Optional[int]) -> Optional[list[BatchRow]]:
+        """The rows of the batch the records of `step` (None: of a dump that names no steps) were made from."""
+        if not self.step_rows:
+            return self.rows
+        if step is None and len(self.step_rows) == 1:
+            return next(iter(self.step_rows.values()))
+        return self.step_rows.get(step)
 
     def cp_bounds(self, dp_rank: int) -> Optional[tuple[int, ...]]:
         """Where a DP rank's row was cut for the CP split: at its documents (packed rows split per

@@ -81,11 +81,32 @@ def check_layout(raw: Any, where: str) -> Layout:
                   etp=None if etp is None else _int(etp, f"{where}.etp", low=1))
 
 
-def check_rows(meta: dict, layout: Layout, where: str) -> Optional[list[BatchRow]]:
+def check_rows(meta: dict, layout: Layout, where: str) -> tuple[Optional[list[BatchRow]], dict]:
     """dump.json's `rows` (optional: dumps of other tools lack them): the batch's documents, which the
-    CP split of a packed row follows and which line a packed run up with a padded one."""
-    if meta.get("rows") is None:
-        return None
+    CP split of a packed row follows and which line a packed run up with a padded one; and its
+    `step_rows`, each dumped step's where they differ from step to step ({step: rows}; a Dumper's)."""
+    if meta.get("rows_unknown") is not None and not isinstance(meta["rows_unknown"], str):
+        raise Malformed(f"{where}: rows_unknown must be a string (why the rows were not recorded)")
+    if meta.get("rows") is None and meta.get("step_rows") is None:
+        return None, {}
+    if meta.setdefault("cp_split", "document") not in CP_SPLITS:
+        raise Malformed(f"{where}: cp_split must be document or row, got {meta['cp_split']!r}")
+    rows = None if meta.get("rows") is None else _rows(meta, layout, where)
+    by_step = {}
+    raw_steps = meta.get("step_rows")
+    if raw_steps is not None:
+        if not isinstance(raw_steps, list) or rows is not None:
+            raise Malformed(f"{where}: step_rows must be a list, in a dump without rows")
+        for i, raw in enumerate(raw_steps):
+            step = _dict(raw, f"{where}: step_rows[{i}]")
+            if step.get("step") is not None:
+                _int(step["step"], f"{where}: step_rows[{i}].step")
+            by_step[step.get("step")] = _rows({**step, "cp_split": meta["cp_split"]}, layout,
+                                              f"{where}: step_rows[{i}]")
+    return rows, by_step
+
+
+def _rows(meta: dict, layout: Layout, where: str) -> list[BatchRow]:
     raw_rows = meta["rows"]
     if not isinstance(raw_rows, list) or not raw_rows or len(raw_rows) % layout.dp:
         raise Malformed(f"{where}: rows must be a non-empty list, a multiple of layout.dp long")
@@ -108,8 +129,6 @@ def check_rows(meta: dict, layout: Layout, where: str) -> Optional[list[BatchRow
     if documents != meta.get("num_sequences") or len(rows) not in (documents, layout.dp):
         raise Malformed(f"{where}: rows hold {documents} documents in {len(rows)} rows, for num_sequences "
                         f"{meta.get('num_sequences')!r} (one a row, or packed one row a DP rank)")
-    if meta.setdefault("cp_split", "document") not in CP_SPLITS:
-        raise Malformed(f"{where}: cp_split must be document or row, got {meta['cp_split']!r}")
     if layout.cp > 1 and any(size % (2 * layout.cp) for row in rows for size in _sizes(row, meta["cp_split"])):
         raise Malformed(f"{where}: rows: a document (or row) is not a multiple of 2*cp={2 * layout.cp} long")
     return rows

@@ -11,8 +11,9 @@ its loss mask keeps: each rank sums its tokens' losses and divides by the whole 
 `--bug rank-mean` plants the classic bug: each rank's own mean over its tokens (transformers'
 default loss), averaged over the ranks. The loss mask is uneven, so the two differ.
 
-`--pad N`: rows of 8, 5, 7 and 3 real tokens, right-padded to N with an attention mask (as
-transformers' DataCollatorWithPadding(padding="max_length") gives them), the padding's labels -100.
+`--pad N`: rows of 8, 5, 7 and 3 real tokens in step 0, 4, 8, 6 and 2 in step 1, right-padded to N
+with an attention mask (as transformers' DataCollatorWithPadding(padding="max_length") gives them),
+the padding's labels -100; the model is called as `model(ids, mask, labels=...)`.
 `--bug pad-labels` plants the padding bug: the pad tokens keep their labels, so the loss and every
 gradient depend on how far the rows were padded.
 """
@@ -29,7 +30,7 @@ import megalign
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--bug", choices=["rank-mean", "pad-labels"])
-parser.add_argument("--pad", type=int, help="right-pad rows of 8, 5, 7 and 3 real tokens to this length")
+parser.add_argument("--pad", type=int, help="right-pad each step's rows (real tokens: LENGTHS) to this length")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -50,7 +51,7 @@ for module in model.modules():
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 BATCH, SEQ, PAD_ID = 4, 8, 0
-LENGTHS = [8, 5, 7, 3]  # the real tokens of each row under --pad
+LENGTHS = [[8, 5, 7, 3], [4, 8, 6, 2]]  # the real tokens of each row under --pad, step by step
 
 
 def batch(step):
@@ -61,7 +62,7 @@ def batch(step):
     labels[BATCH // 2:, 2:] = -100  # uneven: the last rows are trained on their first tokens only
     mask = torch.ones_like(ids)
     if args.pad:
-        mask = (torch.arange(args.pad) < torch.tensor(LENGTHS)[:, None]).long()
+        mask = (torch.arange(args.pad) < torch.tensor(LENGTHS[step])[:, None]).long()
         ids = torch.nn.functional.pad(ids, (0, args.pad - SEQ)).masked_fill(mask == 0, PAD_ID)
         labels = torch.nn.functional.pad(labels, (0, args.pad - SEQ)).masked_fill(mask == 0, PAD_ID)
         if args.bug != "pad-labels":
@@ -78,7 +79,7 @@ for step in range(2):
         if args.bug == "rank-mean":
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss / world
         else:
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=tokens).loss
+            loss = model(ids, mask, labels=labels, num_items_in_batch=tokens).loss
         reported = loss.detach().clone()
         dist.all_reduce(reported)
         dumper.add("loss", "loss", reported)

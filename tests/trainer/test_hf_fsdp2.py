@@ -3,8 +3,9 @@ fully_shard on each decoder layer and the root, AdamW, two steps) dumped with
 `megalign.Dumper.from_env()` under torchrun on gloo: world 2 agrees with the same script as one
 process, parameter gradients (DTensors, the 67-row embedding split 34 + 33) and activations (named
 by their HF modules) alike; the loss as each rank's mean over its uneven loss mask is caught.
-Right-padded rows (an attention mask) are lined up token by token between runs padded to other
-lengths, as `watch(model, batch_dim=0, seq_dim=1)` records them; pad tokens left in the loss are caught.
+Right-padded rows (an attention mask, passed by position, other rows each step) are lined up token by
+token between runs padded to other lengths, as `watch(model, batch_dim=0, seq_dim=1)` records them
+step by step; pad tokens left in the loss are caught.
 """
 
 from __future__ import annotations
@@ -61,13 +62,16 @@ def test_a_per_rank_mean_over_uneven_loss_masks_is_caught_at_the_loss(dumps):
 
 
 def test_rows_padded_to_other_lengths_are_lined_up_token_by_token(dumps):
-    """23 real tokens (rows of 8, 5, 7 and 3) padded to 16 in one process and to 12 on each of two
-    ranks: activations and their gradients at the real tokens, parameter gradients and the steps'
-    parameters all agree; the RoPE tables and the attention weights cannot be lined up."""
-    assert [row["lengths"] for row in megalign.open(dumps["w2_pad12"]).meta["rows"]] == [[8], [5], [7], [3]]
+    """23 real tokens in step 0 (rows of 8, 5, 7 and 3) and 20 in step 1 (4, 8, 6, 2) padded to 16 in one
+    process and to 12 on each of two ranks: activations and their gradients at the real tokens,
+    parameter gradients and the steps' parameters all agree; the RoPE tables and the attention weights
+    cannot be lined up. The mask is passed by position (`model(ids, mask, ...)`): read as absent, every
+    pad token would count as real, and the token tensors' shapes would differ."""
+    steps = megalign.open(dumps["w2_pad12"]).meta["step_rows"]
+    assert [[row["lengths"] for row in step["rows"]] for step in steps] == [[[8], [5], [7], [3]], [[4], [8], [6], [2]]]
     result = invoke("compare", dumps["w1_pad16"], dumps["w2_pad12"])
     assert result.exit_code == 0, result.output
-    assert re.search(r"act +step1/model.layers.1.mlp.down_proj +23x32 .* PASS", result.output)
+    assert re.search(r"act +step1/model.layers.1.mlp.down_proj +20x32 .* PASS", result.output)
     assert re.search(r"act_grad +step0/model.embed_tokens +23x32 .* PASS", result.output)
     assert "202 compared, 202 passed, 0 failed, 12 not lined up" in result.output
     assert "APART   a batch dim and the rows' length on a dim not recorded as the sequence dim" in result.output

@@ -37,6 +37,7 @@ def _open(path: Path) -> Source:
     groups: dict[tuple[str, str], list[Shard]] = {}
     several = isinstance(dump.meta.get("steps"), list) and len(dump.meta["steps"]) > 1
     steps: dict[tuple[str, str], tuple] = {}  # where a dump holds several steps: each entry's (step,)
+    rows: dict[tuple[str, str], Optional[list]] = {}  # where its steps' rows differ: each entry's step's
     for rank in dump.ranks:
         seen: Counter = Counter()
         for record in rank.records:
@@ -48,8 +49,10 @@ def _open(path: Path) -> Source:
             name = label if repeat == 0 else f"{label}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
             steps[(record.kind, name)] = () if not several else (-1 if step is None else step,)
+            rows[(record.kind, name)] = dump.rows_at(step) if dump.step_rows else None
     meta = dump.meta
-    entries = [_entry(dump, kind, name, shards, steps[(kind, name)]) for (kind, name), shards in groups.items()]
+    entries = [_entry(dump, kind, name, shards, steps[(kind, name)], rows[(kind, name)])
+               for (kind, name), shards in groups.items()]
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
@@ -57,7 +60,7 @@ def _open(path: Path) -> Source:
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
                   weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"),
-                  kernel=_kernel(meta, dump.layout))
+                  kernel=_kernel(meta, dump.layout), rows_unknown=meta.get("rows_unknown"))
 
 
 def _kernel(meta: dict, layout: Layout) -> str:
@@ -86,13 +89,13 @@ def _step(marks: Optional[list], order: int) -> Optional[int]:
     return found
 
 
-def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: tuple) -> Entry:
+def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: tuple, rows: Optional[list]) -> Entry:
     record = shards[0].record
     shape = full_shape(shards, dump.layout)
     itemsize = getattr(torch, record.dtype).itemsize
     return Entry(kind=kind, name=name, order=step + _order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
                  shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
-                 nbytes=None if record.file is None else math.prod(shape) * itemsize, shards=shards)
+                 nbytes=None if record.file is None else math.prod(shape) * itemsize, shards=shards, rows=rows)
 
 
 def _order(shard: Shard) -> tuple:
