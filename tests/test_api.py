@@ -277,3 +277,19 @@ def test_a_divergence_beside_unrecorded_rows_is_still_caught(tmp_path):
     result = invoke("compare", tmp_path / "mask4d", tmp_path / "pad4_bug")
     assert result.exit_code == 1, result.output
     assert "first divergence: loss loss\n" in result.output
+
+
+def test_a_parameter_without_a_gradient_is_left_out_and_every_other_dumped(tmp_path):
+    """A frozen layer's `.grad` is None, an unused one's all zeros (what an untouched DDP main_grad
+    holds): neither is a gradient to compare; the used layer's are dumped (one read-back for all)."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "frozen": torch.nn.Linear(4, 4),
+                                 "unused": torch.nn.Linear(4, 4)})
+    model["frozen"].requires_grad_(False)
+    with megalign.Dumper(tmp_path / "out") as dumper:
+        dumper.watch(model, outputs=False)
+        with dumper.step(0):
+            model["unused"].weight.grad = torch.zeros(4, 4)
+            (model["used"](torch.randn(2, 4)) + model["frozen"](torch.randn(2, 4))).sum().backward()
+    dump = megalign.open(tmp_path / "out")
+    assert sorted(name for kind, name in dump.names() if kind == "param_grad") == ["used.bias", "used.weight"]

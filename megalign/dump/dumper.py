@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megalign.dump.coverage import has_gradient, read_grad
+from megalign.dump.coverage import have_gradients, read_grad
 from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
 from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
@@ -311,7 +311,7 @@ class Dumper:
         self._writing, self._step_now = self._choice.wants(n), n
         # From the second step on, device statistics go through a compiled kernel: its compilation
         # (seconds) pays off over a training loop, not in a run of one step (megalign's own).
-        self._writer.fused_stats = bool(self._steps)
+        self._writer.summaries.fused = bool(self._steps)
         if self._writing:
             self._marks.append([n, len(self.records)])
         try:
@@ -328,12 +328,14 @@ class Dumper:
         for ddp in self._ddps:
             if sharded(ddp):  # a collective: every rank gathers every bucket, watched or not
                 grads.update((names[id(p)], g) for p, g in gathered_grads(ddp) if id(p) in names)
+        grads = {name: grads[name] if name in grads else read_grad(param) for name, param in self._watched.items()}
+        # A DTensor's all-zero test would be a collective, and a piece may be zero on one rank only.
+        tested = [name for name, grad in grads.items() if not is_dtensor(grad)]
+        present = dict(zip(tested, have_gradients([grads[name] for name in tested])))
         for name, param in self._watched.items():
             module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
-            grad = grads[name] if name in grads else read_grad(param)
-            # A DTensor's all-zero test would be a collective, and a piece may be zero on one rank only.
-            if is_dtensor(grad) or has_gradient(grad):
-                self.add("param_grad", name, grad, sharding, module=module)
+            if present.get(name, True):
+                self.add("param_grad", name, grads[name], sharding, module=module)
             if self._params:
                 self.add("param", name, param.detach(), sharding, module=module)
 

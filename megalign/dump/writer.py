@@ -24,7 +24,7 @@ from megalign.dump.format import (FORMAT, MANIFEST, VERSION, Kind, RankCoords, T
                                             rank_dirname, write_json_atomic)
 from megalign.dump.sharding import Sharding
 from megalign.dump.staging import PinnedStaging
-from megalign.dump.stats import TensorStats, device_summary
+from megalign.dump.stats import SummaryBatch, TensorStats
 from megalign.dump.tensorfile import write_file
 
 # One thread writes into the page cache at about one core's copy speed; files written side by side go
@@ -32,7 +32,6 @@ from megalign.dump.tensorfile import write_file
 # with four). A quarter of the cores at most, since the run needs the rest: one thread on 7 or fewer.
 WRITE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 SUMMARIES_PER_COPY = 256  # device statistics read back together
-SMALL = 1 << 16  # elements of a device tensor whose statistics are taken on the host
 
 
 class RankWriter:
@@ -44,7 +43,8 @@ class RankWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.coords = coords
         self.stats_only = stats_only
-        self.fused_stats = False  # device statistics through a compiled kernel: worth it over many steps
+        # Device statistics, taken together; through a compiled kernel once worth it (over many steps).
+        self.summaries = SummaryBatch()
         self.filter = re.compile(name_filter) if name_filter else None
         self.flush_bytes = flush_bytes
         self.records: list[TensorRecord] = []
@@ -56,7 +56,7 @@ class RankWriter:
         self._files: list[Future] = []
         # --stats-only on a device: summaries queued behind the step's kernels, read back in batches
         # (one copy and one event each, filled in by a writing thread), the run never waiting on them.
-        self._summaries: list[tuple[TensorRecord, torch.Tensor]] = []
+        self._summarized: list[TensorRecord] = []
         self._stats: list[Future] = []
         self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="megalign-writer")
         self._local = threading.local()  # each writing thread's own pinned buffers: .staging
@@ -85,14 +85,10 @@ class RankWriter:
                 # thread takes the cores the run uses (stats-only 1.8x the loop without the Dumper,
                 # against 3.0x so, bench_trainer.py on 2 cores).
                 record.stats = TensorStats.of(tensor)
-            elif tensor.numel() <= SMALL:
-                # One copy to the host, summed there by a writing thread: the device summary would be
-                # twenty kernel launches for a few KiB.
-                host, ready, _ = self._held(tensor, stable=False, on_host=True)
-                self._stats.append(self._pool.submit(_fill_small, record, host, ready))
             else:
-                self._summaries.append((record, device_summary(tensor, fused=self.fused_stats)))
-                if len(self._summaries) == SUMMARIES_PER_COPY:
+                self.summaries.add(tensor)
+                self._summarized.append(record)
+                if len(self._summarized) == SUMMARIES_PER_COPY:
                     self._read_summaries()
         else:
             record.key = str(record.order)
@@ -124,10 +120,9 @@ class RankWriter:
             raise RuntimeError(f"writing the dump failed: {self._error}") from self._error
 
     def _read_summaries(self) -> None:
-        if self._summaries:
-            records, summaries = zip(*self._summaries)
-            self._summaries = []
-            rows = torch.stack(summaries)
+        if self._summarized:
+            records, self._summarized = tuple(self._summarized), []
+            rows = self.summaries.take()
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
             ready = torch.cuda.Event()
@@ -167,20 +162,19 @@ class RankWriter:
                 self._on_device -= copies
                 self._written.notify_all()
 
-    def _held(self, tensor: torch.Tensor, stable: bool,
-              on_host: bool = False) -> tuple[torch.Tensor, Optional[torch.cuda.Event], bool]:
+    def _held(self, tensor: torch.Tensor, stable: bool) -> tuple[torch.Tensor, Optional[torch.cuda.Event], bool]:
         """What the thread writes from: a contiguous copy, or a stable tensor itself; on a device,
         the event the thread waits for first (the copy done, or the tensor final); and whether it
         was copied on the device. There a copy costs the step a fraction of a millisecond, and the
         thread streams it out through its two pinned buffers on a side stream (staging.py), while a
         quarter of the device memory free at the first copy holds the copies not yet written. When
         that room is full the run waits for the disk to free some (_room_on_device). A copy into host
-        memory (a tensor larger than the room, or a small one summed on the host) is page-locked anew
+        memory (a tensor larger than the room) is page-locked anew
         (cudaHostAlloc: 8 ms a tensor, 0.5 s a GiB on the H200 host, measured) and crosses to the
         host on the step's own stream."""
         if tensor.device.type == "cpu":
             return (tensor.contiguous() if stable else tensor.clone(memory_format=torch.contiguous_format)), None, False
-        on_device = not stable and not on_host and self._room_on_device(tensor)
+        on_device = not stable and self._room_on_device(tensor)
         if stable:
             held = tensor.contiguous()
         elif on_device:
@@ -211,11 +205,6 @@ class RankWriter:
                 return False  # nothing more is written: the run goes on to raise it
             self._on_device += tensor.nbytes
             return True
-
-
-def _fill_small(record: TensorRecord, host: torch.Tensor, ready: torch.cuda.Event) -> None:
-    ready.synchronize()
-    record.stats = TensorStats.of(host)
 
 
 def _fill_stats(records: tuple[TensorRecord, ...], rows: torch.Tensor, ready: torch.cuda.Event) -> None:

@@ -1,5 +1,6 @@
 """The two ways a rank's statistics are taken agree: TensorStats.of (a CPU tensor, in a writing
-thread) and device_summary (queued on a device, read back later), here both run on CPU tensors."""
+thread) and SummaryBatch (tensors staged side by side on a device, reduced together, read back
+later), here both run on CPU tensors, and on a GPU where there is one."""
 
 import math
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from megalign.dump import stats
-from megalign.dump.stats import TensorStats, device_summary
+from megalign.dump.stats import SummaryBatch, TensorStats
 
 CASES = {
     "normal": torch.randn(5000, generator=torch.Generator().manual_seed(0)),
@@ -15,39 +16,50 @@ CASES = {
     "nonfinite": torch.tensor([1.0, math.nan, math.inf, -math.inf, -2.0]),
     "nothing finite": torch.tensor([math.nan, math.inf]),
     "token ids": torch.arange(10),
+    "float64": torch.randn(4097, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 1e3,
+    "empty": torch.empty(0),
 }
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_device_summary_reads_back_as_the_cpu_statistics(name):
-    x = CASES[name]
-    ours = TensorStats.from_summary(x.numel(), device_summary(x).tolist())
-    assert ours.to_dict() == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-6, nan_ok=True)
+def summaries(tensors: list[torch.Tensor], rows: int = 8, fused: bool = False) -> list[dict]:
+    """Each tensor's statistics through a SummaryBatch of `rows` rows of 4096, read back."""
+    batch = SummaryBatch(rows)
+    batch.fused = fused
+    for x in tensors:
+        batch.add(x)
+    taken = batch.take().tolist()
+    assert batch.take() is None  # taken once
+    return [TensorStats.from_summary(x.numel(), row).to_dict() for x, row in zip(tensors, taken, strict=True)]
+
+
+def test_tensors_summarised_together_read_back_as_each_ones_cpu_statistics():
+    """Side by side in one buffer, across a full buffer (3 rows of 4096 each, in a buffer of 8: the
+    third is reduced after the first two), alone where float64 or larger than the buffer."""
+    big = [torch.randn(3 * 4096 - 5, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    big[1][7], big[2][-1] = math.nan, -math.inf
+    huge = torch.randn(9 * 4096, generator=torch.Generator().manual_seed(9)).bfloat16()
+    tensors = [*CASES.values(), *big, huge, CASES["nonfinite"]]
+    for ours, x in zip(summaries(tensors), tensors):
+        assert ours == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-5, nan_ok=True)
 
 
 def test_a_sign_flip_changes_the_summary():
     """The twin: the summary sees what it is fed (a flipped tensor has another sum)."""
     x = CASES["normal"]
-    assert device_summary(-x)[0] == pytest.approx(-device_summary(x)[0])
-    assert device_summary(-x)[0] != device_summary(x)[0]
+    ours, flipped = summaries([x, -x])
+    assert flipped["sum"] == pytest.approx(-ours["sum"]) and flipped["sum"] != ours["sum"]
+    assert (flipped["min"], flipped["max"]) == (-ours["max"], -ours["min"])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.sh runs it)")
-@pytest.mark.parametrize("name", CASES)
-def test_on_a_device_the_summary_reads_back_as_the_cpu_statistics(name):
-    x = CASES[name]
-    ours = TensorStats.from_summary(x.numel(), device_summary(x.cuda()).tolist())
-    assert ours.to_dict() == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-5, nan_ok=True)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.sh runs it)")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_a_device_the_compiled_summary_reads_back_as_the_cpu_statistics(dtype):
-    """Long enough to be compiled (over 16 rows of 4096), with a NaN and an Inf in it."""
-    x = torch.randn(100_003, generator=torch.Generator().manual_seed(2)).to(dtype)
+@pytest.mark.parametrize("fused", [False, True])
+def test_on_a_device_the_summaries_read_back_as_the_cpu_statistics(fused):
+    """Eagerly, and through the compiled kernel, with a NaN and an Inf in a bf16 tensor."""
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(2)).bfloat16()
     x[10], x[99_999] = math.nan, -math.inf
-    ours = TensorStats.from_summary(x.numel(), device_summary(x.cuda(), fused=True).tolist())
-    assert ours.to_dict() == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-5, nan_ok=True)
+    tensors = [*CASES.values(), x]
+    for ours, cpu in zip(summaries([t.cuda() for t in tensors], rows=64, fused=fused), tensors):
+        assert ours == pytest.approx(TensorStats.of(cpu).to_dict(), rel=1e-5, nan_ok=True)
 
 
 def reference(x: torch.Tensor) -> dict:
