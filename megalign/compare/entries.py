@@ -59,6 +59,10 @@ class Value:
                 self.replicas.append(gap)
 
 
+# (start, stop) of each leading dim of a tensor: the box of it that a streamed pair reads at a time.
+Window = tuple[tuple[int, int], ...]
+
+
 @dataclass
 class Entry:
     kind: Optional[str]  # None for plain tensor files, which do not say what a tensor is
@@ -79,8 +83,8 @@ class Entry:
     # The rows of the batch it was made from, where they differ from step to step (a Dumper's
     # step_rows); None: the source's rows.
     rows: Optional[list[BatchRow]] = None
-    # Set where `load(buffer=..., rows=...)` can place the tensor, or the rows (start, stop) of its dim 0,
-    # in a caller's buffer (reassemble.py): the tensor's size in bytes.
+    # Set where `load(buffer=..., window=...)` can place the tensor, or a box of it (a Window), in a
+    # caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
     # megalign dumps: the rank records it is put together from (plan.Shard), for the Python API's
     # Dump.shards() and --explain; typed loosely so that this module and plan.py need not import each other.

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megalign.compare.entries import ReplicaGap, Value
+from megalign.compare.entries import ReplicaGap, Value, Window
 from megalign.compare.fused import Sums
 from megalign.compare.metrics import pair_sums
 from megalign.compare.plan import Piece, Plan, Shard, Unassemblable, full_shape, make_plan, same_shape
@@ -33,10 +33,10 @@ def plan_of(dump: Dump, shards: list[Shard]) -> Plan:
 
 
 def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] = None,
-               rows: Optional[tuple[int, int]] = None) -> Value:
+               window: Optional[Window] = None) -> Value:
     """The tensor (or, for --stats-only records, its statistics). `buffer` (bytes, at least the
-    tensor's size): the tensor lives in it. `rows` (start, stop): only those positions of dim 0 are
-    read, into a tensor of that many rows (verdict.py streams big tensors so); `shape` stays the whole's."""
+    tensor's size): the tensor lives in it. `window` ((start, stop) of each leading dim): only that
+    box is read, into a tensor of its size (verdict.py streams big tensors so); `shape` stays the whole's."""
     first = shards[0].record
     value = Value(shape=full_shape(shards, dump.layout), dtype=first.dtype)
     try:
@@ -52,11 +52,11 @@ def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] =
         value.stats = TensorStats.combine(by_rank[p.coords.rank].record.stats for p in plan.pieces)
         return value
     dtype = dump.locate(shards[0].rank, first).dtype
-    shape = value.shape if rows is None else [rows[1] - rows[0], *value.shape[1:]]
+    shape = value.shape if window is None else [stop - start for start, stop in window] + value.shape[len(window):]
     full = _allocate(shape, dtype, buffer)
     for piece in plan.pieces:
-        _read_sum(dump, [by_rank[c.rank] for c in (piece.coords, *piece.terms)], piece, full, rows)
-    value.replicas = [_replica_gap(dump, piece, [by_rank[c.rank] for c in (replica.coords, *replica.terms)], full, rows)
+        _read_sum(dump, [by_rank[c.rank] for c in (piece.coords, *piece.terms)], piece, full, window)
+    value.replicas = [_replica_gap(dump, piece, [by_rank[c.rank] for c in (replica.coords, *replica.terms)], full, window)
                       for piece in plan.pieces for replica in piece.replicas if replica.read]
     value.tensor = full
     return value
@@ -69,18 +69,18 @@ def _allocate(shape: list[int], dtype: torch.dtype, buffer: Optional[torch.Tenso
     return buffer[:size].view(dtype).view(shape)
 
 
-def _blocks(piece: Piece, shape: list[int], rows: Optional[tuple[int, int]]):
+def _blocks(piece: Piece, shape: list[int], window: Optional[Window]):
     """(local narrowings, narrowings of the output) of every block of a piece (of a shard of `shape`):
-    one run per split dim; with `rows`, dim 0 clipped to them (the output then starts at rows[0])."""
+    one run per split dim; with `window`, its leading dims clipped to it (the output then starts at
+    the window's corner)."""
     runs = dict(piece.runs)
-    if rows is not None:
-        start, stop = rows
+    for dim, (start, stop) in enumerate(window or ()):
         clipped = []
-        for local, where, length in runs.get(0, [(0, 0, shape[0])]):
+        for local, where, length in runs.get(dim, [(0, 0, shape[dim])]):
             low, high = max(where, start), min(where + length, stop)
             if low < high:
                 clipped.append((local + low - where, low - start, high - low))
-        runs[0] = clipped
+        runs[dim] = clipped
     dims = sorted(runs)
     for combo in itertools.product(*(runs[d] for d in dims)):
         yield [(d, r[0], r[2]) for d, r in zip(dims, combo)], [(d, r[1], r[2]) for d, r in zip(dims, combo)]
@@ -92,12 +92,12 @@ def _narrow(tensor: torch.Tensor, narrowings) -> torch.Tensor:
     return tensor
 
 
-def _read_piece(dump: Dump, shard: Shard, piece: Piece, out: torch.Tensor, rows) -> None:
+def _read_piece(dump: Dump, shard: Shard, piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
     """Read `shard` into out at `piece`'s blocks. A block contiguous in the shard and in `out` is one
     positioned read straight into place; any other is read with the whole rows of the shard it
     spans (contiguous in the file) into a temporary, and copied."""
     location = dump.locate(shard.rank, shard.record)
-    blocks = list(_blocks(piece, shard.record.shape, rows))
+    blocks = list(_blocks(piece, shard.record.shape, window))
     if blocks == [([], [])]:  # the whole tensor
         read_into(location, out)
         return
@@ -116,25 +116,26 @@ def _read_piece(dump: Dump, shard: Shard, piece: Piece, out: torch.Tensor, rows)
         dst.copy_(_narrow(span, [(d, start - first if d == 0 else start, n) for d, start, n in local]))
 
 
-def _read_sum(dump: Dump, shards: list[Shard], piece: Piece, out: torch.Tensor, rows) -> None:
+def _read_sum(dump: Dump, shards: list[Shard], piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
     """Read the first shard into `out` at `piece`'s blocks, and add the others (Partial terms) there."""
-    _read_piece(dump, shards[0], piece, out, rows)
+    _read_piece(dump, shards[0], piece, out, window)
     if len(shards) == 1:
         return
     scratch = torch.empty_like(out)
     for shard in shards[1:]:
-        _read_piece(dump, shard, piece, scratch, rows)
-        for _, where in _blocks(piece, shard.record.shape, rows):
+        _read_piece(dump, shard, piece, scratch, window)
+        for _, where in _blocks(piece, shard.record.shape, window):
             _narrow(out, where).add_(_narrow(scratch, where))
 
 
-def _replica_gap(dump: Dump, piece: Piece, replica: list[Shard], out: torch.Tensor, rows) -> ReplicaGap:
+def _replica_gap(dump: Dump, piece: Piece, replica: list[Shard], out: torch.Tensor,
+                 window: Optional[Window]) -> ReplicaGap:
     """How far a replica (with its partial terms) is from the values placed for the piece it copies:
     read into the same place of a scratch tensor and compared block by block."""
     scratch = torch.empty_like(out)
-    _read_sum(dump, replica, piece, scratch, rows)
+    _read_sum(dump, replica, piece, scratch, window)
     total = Sums()
-    for _, where in _blocks(piece, replica[0].record.shape, rows):
+    for _, where in _blocks(piece, replica[0].record.shape, window):
         total.add(pair_sums(_narrow(scratch, where), _narrow(out, where)), 0)
     return ReplicaGap(ranks=f"rank {replica[0].rank.coords.rank} vs rank {piece.coords.rank}", sums=total)
 

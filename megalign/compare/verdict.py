@@ -11,6 +11,7 @@ others idled (38% of the workers' time on the 8B-wide model's 60 GiB pair, py-sp
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -22,7 +23,7 @@ import torch
 
 from megalign.compare import absent
 from megalign.compare.buffers import BufferPool, check_fits
-from megalign.compare.entries import Entry, Source, Value
+from megalign.compare.entries import Entry, Source, Value, Window
 from megalign.compare.fused import Sums
 from megalign.compare.lineup import line_up
 from megalign.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetrics, TensorMetrics,
@@ -48,8 +49,9 @@ ONLY_A, ONLY_B, NOT_REASSEMBLABLE, SKIPPED, APART = "only_a", "only_b", "not_rea
 UNVERIFIABLE = "unverifiable"
 FAILING = (FAIL, SHAPE_MISMATCH, NOT_REASSEMBLABLE)
 BY_OP_MAP, BY_PATTERN = "cross-stack op map", "--allow-missing"  # Row.allowed of a one-sided row
-# Pairs with a side over STREAM_BYTES are compared WINDOW_BYTES of rows at a time, in chunks of
-# CHUNK_WINDOWS windows that the workers take apart (_Comparison._chunk).
+# Pairs with a side over STREAM_BYTES are compared a window of about WINDOW_BYTES at a time (rows
+# of dim 0, or where one row is larger, runs of a deeper dim within it), in chunks of CHUNK_WINDOWS
+# windows that the workers take apart (_Comparison._chunk).
 STREAM_BYTES, WINDOW_BYTES, CHUNK_WINDOWS = 64 << 20, 16 << 20, 4
 
 
@@ -231,7 +233,7 @@ class _Comparison:
 
     def rows(self, workers: int) -> list[Row]:
         """Every pair's row, in order: pairs compared whole and chunks of big ones on one pool."""
-        tasks = [(index, pair, span) for index, pair in enumerate(self.pairs) for span in self._spans(pair)]
+        tasks = [(index, pair, span) for index, pair in enumerate(self.pairs) for span in self._chunks(pair)]
         # The pool is the parallelism: torch's own intra-op threads on top of it oversubscribe the
         # cores, and spinning OpenMP threads made a 2-core comparison 8x slower when measured.
         torch_threads = torch.get_num_threads()
@@ -252,15 +254,14 @@ class _Comparison:
             rows[index] = self._merged(self._row(index, self.pairs[index]), self.pairs[index], parts)
         return [rows[index] for index in range(len(self.pairs))]
 
-    def _spans(self, pair: _Pair) -> list[Optional[tuple[int, int]]]:
-        """[None] for a pair compared whole; a big pair's chunks of rows of dim 0."""
-        window = self._window(pair)
-        if not window:
+    def _chunks(self, pair: _Pair) -> list[Optional[tuple[Window, ...]]]:
+        """[None] for a pair compared whole; a big pair's windows, CHUNK_WINDOWS a chunk."""
+        windows = self._windows(pair)
+        if not windows:
             return [None]
-        step = window * CHUNK_WINDOWS
-        return [(start, min(start + step, pair.a.shape[0])) for start in range(0, pair.a.shape[0], step)]
+        return [tuple(windows[start:start + CHUNK_WINDOWS]) for start in range(0, len(windows), CHUNK_WINDOWS)]
 
-    def _task(self, index: int, pair: _Pair, span: Optional[tuple[int, int]]):
+    def _task(self, index: int, pair: _Pair, span: Optional[tuple[Window, ...]]):
         return self.row(index, pair) if span is None else self._chunk(pair, span)
 
     @staticmethod
@@ -294,47 +295,54 @@ class _Comparison:
         """What a pair leases: both sides whole, or a window of each, where they are read into buffers."""
         if pair.a is None or pair.b is None or pair.a.apart or pair.b.apart:
             return 0
-        window = self._window(pair)
-        if window:
-            return (pair.a.nbytes + pair.b.nbytes) * window // pair.a.shape[0]
+        windows = self._windows(pair)
+        if windows:
+            return sum(_window_bytes(entry, windows[0]) for entry in (pair.a, pair.b))
         return (pair.a.nbytes or 0) + (pair.b.nbytes or 0)
 
-    def _window(self, pair: _Pair) -> int:
-        """Rows of dim 0 a window holds when the pair is compared a window at a time, else 0: big
-        tensors whose rows are only compared element by element (no logprobs, routing or reference)."""
+    def _windows(self, pair: _Pair) -> list[Window]:
+        """The boxes a pair is read in, one after another in the tensor's order, each of about
+        WINDOW_BYTES of the larger side, where it is compared a window at a time, else []: big tensors
+        whose elements are only compared one by one (no logprobs, routing or reference). Runs of rows of
+        dim 0, or, where a row is larger (attention weights [batch, heads, seq, seq], logits [batch,
+        seq, vocab]), runs of the first dim whose slices fit, within one index of the dims before it:
+        read by rows of dim 0, a tensor of two rows was one window of half of it, leased whole by one
+        worker while the others waited for the memory (py-spy: 29% of the workers' time)."""
         a, b = pair.a, pair.b
         if a is None or b is None or a.apart or b.apart or not (a.nbytes and b.nbytes) or \
                 max(a.nbytes, b.nbytes) < STREAM_BYTES or a.shape != b.shape or not a.shape or \
                 pair.kind in ("logprobs", "routing") or (pair.kind, pair.name) in self.in_reference:
-            return 0
-        return max(1, WINDOW_BYTES * a.shape[0] // max(a.nbytes, b.nbytes))
+            return []
+        shape, itemsize = a.shape, max(a.nbytes, b.nbytes) // math.prod(a.shape)
+        dim = next(d for d in range(len(shape)) if math.prod(shape[d + 1:]) * itemsize <= WINDOW_BYTES or
+                   d == len(shape) - 1)
+        step = max(1, WINDOW_BYTES // (math.prod(shape[dim + 1:]) * itemsize))
+        return [(*((i, i + 1) for i in index), (start, min(start + step, shape[dim])))
+                for index in itertools.product(*map(range, shape[:dim])) for start in range(0, shape[dim], step)]
 
-    def _chunk(self, pair: _Pair, span: tuple[int, int]) -> "_Chunk":
-        """The sums of a big pair's rows span[0]:span[1], read a window at a time into two buffers of
-        a window each: the sums of the windows add up to the whole's (metrics.metrics_of), whatever
-        the tensor's size. Stops at the first window that cannot be put back together."""
+    def _chunk(self, pair: _Pair, windows: tuple[Window, ...]) -> "_Chunk":
+        """The sums of a run of a big pair's windows, read one at a time into two buffers of a window
+        each: the sums of the windows add up to the whole's (metrics.metrics_of), whatever the
+        tensor's size. Stops at the first window that cannot be put back together."""
         check_fits(self._lease_bytes(pair), f"comparing {pair.kind} {pair.name}")
-        window, shape = self._window(pair), pair.a.shape
-        row_numel = math.prod(shape[1:])
+        shape = pair.a.shape
         chunk = _Chunk(values=[Value(shape=shape, dtype=entry.dtype) for entry in (pair.a, pair.b)])
-        sizes = [entry.nbytes * window // shape[0] for entry in (pair.a, pair.b)]
+        sizes = [_window_bytes(entry, windows[0]) for entry in (pair.a, pair.b)]
         with self.buffers.lease(*sizes) as buffers:
-            for start in range(span[0], span[1], window):
-                rows = (start, min(start + window, span[1]))
-                x, y = (entry.load(buffer=buffer, rows=rows) for entry, buffer in zip((pair.a, pair.b), buffers))
+            for window in windows:
+                x, y = (entry.load(buffer=buffer, window=window) for entry, buffer in zip((pair.a, pair.b), buffers))
                 chunk.add_values(x, y)
                 if chunk.problem:
                     break
-                chunk.sums.add(pair_sums(x.tensor, y.tensor), (start - span[0]) * row_numel)
+                chunk.sums.add(pair_sums(x.tensor, y.tensor), _offset(shape, window) - _offset(shape, windows[0]))
         return chunk
 
-    def _merged(self, row: Row, pair: _Pair, chunks: list[tuple[tuple[int, int], "_Chunk"]]) -> Row:
+    def _merged(self, row: Row, pair: _Pair, chunks: list[tuple[tuple[Window, ...], "_Chunk"]]) -> Row:
         """A big pair's row from its chunks, merged in order up to the first with a problem."""
         whole = _Chunk(values=[Value(shape=pair.a.shape, dtype=entry.dtype) for entry in (pair.a, pair.b)])
-        row_numel = math.prod(pair.a.shape[1:])
-        for (start, _), chunk in chunks:
+        for windows, chunk in chunks:
             whole.add_values(*chunk.values)
-            whole.sums.add(chunk.sums, start * row_numel)
+            whole.sums.add(chunk.sums, _offset(pair.a.shape, windows[0]))
             if whole.problem:
                 break
         return self._compare(row, pair, *whole.values, metrics=metrics_of(whole.sums, pair.a.shape))
@@ -414,6 +422,17 @@ class _Chunk:
         for whole, part in zip(self.values, (x, y)):
             whole.problem = part.problem
             whole.add_replicas(part)
+
+
+def _window_bytes(entry: Entry, window: Window) -> int:
+    """The bytes of an entry's tensor inside `window`."""
+    return entry.nbytes // math.prod(entry.shape) * math.prod(stop - start for start, stop in window) * \
+        math.prod(entry.shape[len(window):])
+
+
+def _offset(shape: list[int], window: Window) -> int:
+    """The position, in the flattened tensor, of a window's first element."""
+    return sum(start * math.prod(shape[dim + 1:]) for dim, (start, _) in enumerate(window))
 
 
 def _load(entry: Entry, buffer: Optional[torch.Tensor]) -> Value:

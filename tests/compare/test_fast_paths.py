@@ -140,10 +140,11 @@ def compare(a, b):
 
 
 @pytest.mark.parametrize("layout", [CP2, TP2])
-def test_pairs_streamed_a_few_rows_at_a_time_get_the_metrics_of_the_whole(dump, monkeypatch, layout):
+@pytest.mark.parametrize("window", [3000, 100])  # a few rows; or, rows being larger, runs of the last dim
+def test_pairs_streamed_a_few_rows_at_a_time_get_the_metrics_of_the_whole(dump, monkeypatch, layout, window):
     whole = compare(dump(*CP1), dump(*layout))
     monkeypatch.setattr(verdict, "STREAM_BYTES", 1)  # every tensor of a megalign dump is streamed
-    monkeypatch.setattr(verdict, "WINDOW_BYTES", 3000)  # a few rows: windows cut CP halves and TP shards
+    monkeypatch.setattr(verdict, "WINDOW_BYTES", window)  # windows cut CP halves and TP shards
     monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 2)  # chunks of two windows, taken by the workers apart
     streamed = compare(dump(*CP1), dump(*layout))
     assert [r.status for r in streamed.rows] == [r.status for r in whole.rows]
@@ -172,7 +173,7 @@ def test_a_big_pair_in_chunks_gets_the_sums_of_the_whole_and_the_first_worst_pos
     monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 2)
     a, b = _one_tensor_dump(tmp_path / "a", x), _one_tensor_dump(tmp_path / "b", y)
     comparison = verdict._Comparison(a, b, Thresholds(), None, verdict.match_entries(a, b), None, False)
-    assert len(comparison._spans(comparison.pairs[0])) == 200
+    assert len(comparison._chunks(comparison.pairs[0])) == 200
     (row,) = compare_sources(a, b, Thresholds(), workers=4).rows
     want = reference(x, y)
     assert want["index"] == 3900 * 64 + 5
@@ -180,6 +181,26 @@ def test_a_big_pair_in_chunks_gets_the_sums_of_the_whole_and_the_first_worst_pos
     assert math.isclose(row.metrics.rel_diff, want["rel_diff"], rel_tol=1e-9)
     (same,) = compare_sources(a, _one_tensor_dump(tmp_path / "c", x.clone()), Thresholds(), workers=4).rows
     assert same.status == verdict.PASS and same.metrics.max_abs_diff == 0
+
+
+def test_a_pair_whose_rows_are_larger_than_a_window_is_read_in_boxes_of_a_deeper_dim(tmp_path, monkeypatch):
+    """Attention weights [batch, heads, seq, seq] of two rows: read by rows of dim 0, one worker
+    leased half the tensor at once. Windows of 4 heads within one batch row: the whole's sums and
+    worst position, the differing element found in the last box."""
+    x = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(1))
+    y = x.clone()
+    y[1, 7, 5, 4] += 1.0
+    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)
+    monkeypatch.setattr(verdict, "WINDOW_BYTES", 4 * 36 * 4)  # four heads' [6, 6]
+    monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 1)
+    a, b = _one_tensor_dump(tmp_path / "a", x), _one_tensor_dump(tmp_path / "b", y)
+    comparison = verdict._Comparison(a, b, Thresholds(), None, verdict.match_entries(a, b), None, False)
+    assert comparison._windows(comparison.pairs[0]) == [((0, 1), (0, 4)), ((0, 1), (4, 8)), ((1, 2), (0, 4)),
+                                                        ((1, 2), (4, 8))]
+    assert comparison._lease_bytes(comparison.pairs[0]) == 2 * 4 * 36 * 4
+    (row,) = compare_sources(a, b, Thresholds(), workers=3).rows
+    assert row.status == verdict.FAIL and row.metrics.max_abs_index == [1, 7, 5, 4]
+    assert math.isclose(row.metrics.rel_diff, reference(x, y)["rel_diff"], rel_tol=1e-9)
 
 
 def test_a_divergence_is_caught_when_streamed(dump, monkeypatch):

@@ -5,6 +5,7 @@ traceback (which compare would report as exit 1, "diverged"), a hang, or a file 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -181,11 +182,12 @@ def test_a_shape_larger_than_its_file_is_refused_before_allocating(dump, tmp_pat
     exit_2(invoke("compare", dump(*CP1), bad), "more than the file holds")
 
 
-def claim_a_huge_tensor(dump_dir: Path, name: str, elements: int, digest: str) -> None:
-    """Point `name`'s record at a file of its own holding `elements` float32s, sparse: every byte the
-    manifest claims is there, none of it on the disk."""
+def claim_a_huge_tensor(dump_dir: Path, name: str, shape: list[int], digest: str) -> None:
+    """Point `name`'s record at a file of its own holding a float32 tensor of `shape`, sparse: every
+    byte the manifest claims is there, none of it on the disk."""
     rank = dump_dir / "rank-00000"
-    header = json.dumps({"0": {"dtype": "F32", "shape": [1, elements], "data_offsets": [0, 4 * elements]}}).encode()
+    elements = math.prod(shape)
+    header = json.dumps({"0": {"dtype": "F32", "shape": shape, "data_offsets": [0, 4 * elements]}}).encode()
     header += b" " * (-len(header) % 8)
     with open(rank / "huge.safetensors", "wb") as file:
         file.write(len(header).to_bytes(8, "little") + header)
@@ -193,21 +195,21 @@ def claim_a_huge_tensor(dump_dir: Path, name: str, elements: int, digest: str) -
 
     def point(raw):
         record = next(t for t in raw["tensors"] if t["name"] == name)
-        record.update(shape=[1, elements], file="huge.safetensors", key="0", hash=digest)
+        record.update(shape=shape, file="huge.safetensors", key="0", hash=digest)
 
     edit_json(rank / "manifest.json", point)
 
 
 def test_a_tensor_larger_than_the_machines_memory_is_one_line(dump, tmp_path):
-    """8e9 float32 elements in one row (32 GB, more than the 24 GiB of these machines): one row is the
-    smallest window compare streams, so it would need 64 GB at once. Exit 2 before allocating, and
-    megalign.open's tensor() raises MemoryError (TooLarge) instead of being OOM-killed."""
+    """8e9 float32 elements (32 GB, more than the 24 GiB of these machines), shaped [1, 8e9] on one side
+    and [2, 4e9] on the other: a pair of two shapes is not streamed window by window, so comparing it
+    would need 64 GB at once. Exit 2 before allocating, and megalign.open's tensor() raises
+    MemoryError (TooLarge) instead of being OOM-killed."""
     import megalign
 
-    elements = 8_000_000_000
     a, b = (copy_dump(dump(*CP1), tmp_path / side) for side in "ab")
-    for side, digest in ((a, "0" * 32), (b, "1" * 32)):
-        claim_a_huge_tensor(side, "output_layer.weight", elements, digest)
+    for side, digest, shape in ((a, "0" * 32, [1, 8_000_000_000]), (b, "1" * 32, [2, 4_000_000_000])):
+        claim_a_huge_tensor(side, "output_layer.weight", shape, digest)
     exit_2(invoke("compare", a, b), "comparing param_grad output_layer.weight needs 59.6 GiB of memory at once")
     with pytest.raises(MemoryError, match="GiB of memory at once, more than the"):
         megalign.open(a).tensor("param_grad", "output_layer.weight")
