@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from megalign.dump.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter
 from megalign.errors import UserError
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 class Dumper:
     """Writes one megalign dump into `out`, which must be new or empty (`overwrite=True` replaces an
@@ -69,18 +72,23 @@ class Dumper:
     dump.json at close. `steps`: which steps are written ("all", a list of ints, "1,2", "every:K");
     other than "all", nothing is written outside a chosen step's block. `params`: each step's end
     also dumps the watched parameters (kind param), so that an optimizer bug shows at the next step.
+    `dp_group`: without megatron-core's parallel_state, this rank's data-parallel group where it is
+    not the whole world (the `process_group` given to torch DDP, or a 1-D DeviceMesh: `mesh["dp"]`):
+    plain parameters are replicas, and outputs split on `batch_dim`, over that group only. The
+    groups, of one size, split the world into stages, each with names of its own (pipeline stages
+    that keep the model's module names); a name several stages hold is read as their replica.
     """
 
     enabled = True
 
     def __init__(self, out, *, overwrite: bool = False, stats_only: bool = False,
                  name_filter: Optional[str] = None, claim: bool = True, steps: Steps = "all",
-                 params: bool = False):
+                 params: bool = False, dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None):
         self._choice = choose_steps(steps)
         self._params = params
         self._writing = self._choice.all  # outside a step block: only when every step is wanted
         self.out = Path(out)
-        self.coords, self.layout = _place()
+        self.coords, self.layout, self._dp_ranks = _place(dp_group)
         self._world = self.layout.world_size
         self._landing = contextlib.ExitStack()  # holds the claimed staging folder until close()
         if claim:
@@ -202,10 +210,21 @@ class Dumper:
         right-padded; none: every token real), step by step, so that compare lines up runs padded or
         packed differently token by token (compare/lineup.py). Rows that cannot be recorded (a 4D or
         left-padded mask, DP ranks padded to different lengths) are dropped with a warning, never
-        raised mid-step (dump/rows.py). torch's DDP is unwrapped (names as the model's own); FSDP2 and tensor parallel's DTensors are placed by their
-        placements. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
-        megalign.Sharding)."""
+        raised mid-step (dump/rows.py). torch's DDP is unwrapped (names as the model's own; its
+        process_group must be the Dumper's DP group: `dp_group`); FSDP2 and tensor parallel's
+        DTensors are placed by their placements. Pipeline stages (`dp_group`) keep the whole model's
+        module names. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
+        megalign.Sharding). A refusal aborts the Dumper: no staging folder is left behind."""
+        try:
+            self._watch(module, prefix, batch_dim, outputs, cp_split, seq_dim)
+        except Exception:
+            self.abort()
+            raise
+
+    def _watch(self, module: torch.nn.Module, prefix: str, batch_dim: Optional[int], outputs: bool, cp_split: str,
+               seq_dim: Optional[int]) -> None:
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            self._check_group(module.process_group)
             module = module.module  # plain .grad, all-reduced: replicas over the DP group
         if is_megatron_ddp(module):
             self._ddps.append(module)
@@ -217,8 +236,8 @@ class Dumper:
             # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
             raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
                                       "add() each tensor with its megalign.Sharding")
-        if outputs and self.layout.pp > 1:  # every stage counts its layers from 0: names would collide
-            raise NotImplementedError("watch() of a model split over PP stages: add() each output")
+        if outputs and megatron and self.layout.pp > 1:  # every stage counts its layers from 0: names would collide
+            raise NotImplementedError("watch() of a megatron-core model split over PP stages: add() each output")
 
         def named(path: str) -> str:
             return f"{prefix}.{path}" if prefix and path else prefix or path
@@ -246,6 +265,14 @@ class Dumper:
             self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
             if megatron and path.endswith(INPUT_CAPTURED):
                 self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path, True))))
+
+    def _check_group(self, group: dist.ProcessGroup) -> None:
+        """torch DDP averages gradients over `group`: the Dumper's DP ranks must be its ranks, or its
+        replicas would be placed over ranks that hold other values (a false FAIL) or not all of them."""
+        ranks = sorted(dist.get_process_group_ranks(group))
+        if self._dp_ranks is not None and ranks != self._dp_ranks:
+            raise UserError(f"DDP averages gradients over ranks {ranks}, the Dumper's data-parallel group is ranks "
+                            f"{self._dp_ranks}: pass megalign.Dumper(..., dp_group=) the process_group given to DDP")
 
     def _batch_layout(self, batch_dim: Optional[int], seq_dim: Optional[int]) -> Callable:
         """Any module's outputs: split over DP ranks on `batch_dim`, else replicas; with `seq_dim`,
@@ -557,18 +584,36 @@ def _param_sharding(param: torch.nn.Parameter) -> Sharding:
     return Sharding(tp_dim=param.partition_dim, tp_parts=getattr(param, "partition_stride", 1))
 
 
-def _place() -> tuple[RankCoords, Layout]:
-    """This process's coordinates and the job's layout: megatron-core's where its parallel_state is
-    initialised, else torch.distributed's ranks as DP ranks, else rank 0 of 1."""
+def _place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None) -> tuple[RankCoords, Layout, Optional[list[int]]]:
+    """This process's coordinates, the job's layout, and the ranks of this rank's DP group where the
+    Dumper places them (None: megatron-core's parallel_state does, or a single process):
+    parallel_state's where it is initialised, else torch.distributed's ranks as DP ranks over the
+    world or `dp_group`, each group of those a stage (pp_rank), else rank 0 of 1."""
     if not (dist.is_available() and dist.is_initialized()):
-        return RankCoords(rank=0), Layout()
+        if dp_group is not None:
+            raise ValueError("dp_group is a process group of torch.distributed, which is not initialised")
+        return RankCoords(rank=0), Layout(), None
     rank, world = dist.get_rank(), dist.get_world_size()
     state = sys.modules.get("megatron.core.parallel_state")  # only where the program uses megatron-core
-    if state is None or not state.model_parallel_is_initialized():
-        return RankCoords(rank=rank, dp_rank=rank), Layout(dp=world)
-    coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),
-                        cp_rank=state.get_context_parallel_rank(), pp_rank=state.get_pipeline_model_parallel_rank(),
-                        dp_rank=state.get_data_parallel_rank())
-    return coords, Layout(tp=state.get_tensor_model_parallel_world_size(),
-                          pp=state.get_pipeline_model_parallel_world_size(),
-                          cp=state.get_context_parallel_world_size(), dp=state.get_data_parallel_world_size())
+    if state is not None and state.model_parallel_is_initialized():
+        if dp_group is not None:
+            raise ValueError("dp_group: megatron-core's parallel_state already places every rank")
+        coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),
+                            cp_rank=state.get_context_parallel_rank(), pp_rank=state.get_pipeline_model_parallel_rank(),
+                            dp_rank=state.get_data_parallel_rank())
+        return coords, Layout(tp=state.get_tensor_model_parallel_world_size(),
+                              pp=state.get_pipeline_model_parallel_world_size(),
+                              cp=state.get_context_parallel_world_size(), dp=state.get_data_parallel_world_size()), None
+    if dp_group is None:
+        return RankCoords(rank=rank, dp_rank=rank), Layout(dp=world), list(range(world))
+    if hasattr(dp_group, "get_group"):  # a 1-D DeviceMesh (several dims: get_group refuses)
+        dp_group = dp_group.get_group()
+    members = sorted(dist.get_process_group_ranks(dp_group))
+    every: list = [None] * world
+    dist.all_gather_object(every, members)
+    groups = sorted(set(map(tuple, every)))
+    if sorted(r for group in groups for r in group) != list(range(world)) or len(set(map(len, groups))) != 1:
+        raise UserError(f"dp_group: the ranks' groups {[list(g) for g in groups]} do not split the world of {world} "
+                        "ranks into groups of one size")
+    return (RankCoords(rank=rank, dp_rank=members.index(rank), pp_rank=groups.index(tuple(members))),
+            Layout(pp=len(groups), dp=len(members)), members)
