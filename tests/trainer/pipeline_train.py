@@ -8,11 +8,11 @@ An MLP of four residual blocks. On 4 ranks, two stages of two data-parallel rank
 the input layer and blocks 0-1, ranks 2 and 3 blocks 2-3 and the head; each stage keeps the whole
 model's module names (as torchtitan's pipeline split does: the other stage's blocks deleted), sends
 its activations to the next stage's rank of the same DP rank and receives their gradients back, and
-is wrapped in torch DDP over its own data-parallel group. The loss is the batch's mean: each rank
+is wrapped in torch DDP over its own data-parallel group (a ("pp", "dp") DeviceMesh's "dp" dim). The loss is the batch's mean: each rank
 sums its rows' squared errors and divides by the batch's row count, all-reduced over its DP group,
 and DDP sums the gradients (a comm hook) instead of averaging them. SGD, two steps.
 
-The Dumper is given the DP group (`dp_group=`): without it, DDP's group of 2 of the 4 ranks is refused
+The Dumper is given the DP group (`dp_group=mesh["dp"]`): without it, DDP's group of 2 of the 4 ranks is refused
 at watch(). `--bug world-count` plants a classic: the batch's row count all-reduced over the whole
 world, stages included, so that the loss and every gradient are halved.
 """
@@ -21,6 +21,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import megalign
 
@@ -33,9 +34,8 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 stages = 1 if world == 1 else 2
 dp = world // stages
-stage, dp_rank = divmod(rank, dp)
-groups = [dist.new_group(list(range(s * dp, (s + 1) * dp))) for s in range(stages)]  # every rank makes each
-dp_group = groups[stage]
+mesh = init_device_mesh("cpu", (stages, dp), mesh_dim_names=("pp", "dp"))  # ranks 0, 1: stage 0
+stage, dp_rank, dp_group = mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh["dp"].get_group()
 first, last = stage == 0, stage == stages - 1
 
 BLOCKS, WIDTH, BATCH = 4, 16, 8
@@ -82,11 +82,11 @@ def allreduce_sum(group, bucket):
     return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-model = torch.nn.parallel.DistributedDataParallel(net, process_group=dp_group)
+model = torch.nn.parallel.DistributedDataParallel(net, device_mesh=mesh["dp"])
 model.register_comm_hook(dp_group, allreduce_sum)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-dumper = megalign.Dumper.from_env(params=True, dp_group=None if args.no_dp_group else dp_group)
+dumper = megalign.Dumper.from_env(params=True, dp_group=None if args.no_dp_group else mesh["dp"])
 dumper.watch(model, batch_dim=0)
 for step in range(2):
     data = torch.Generator().manual_seed(step)
