@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 CHUNK = 1 << 20  # elements summed at a time on a CPU (4 MiB of float32)
+ONE_PASS = 1 << 16  # elements from which a CPU chunk's min and max are torch's aminmax
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int
     """(sum, sum of squares, sum of |x|, min, max) over a flat CPU tensor's finite values, its NaN and
     Inf counts: CHUNK elements at a time, bf16 and fp16 widened into one reused float32 buffer (numpy
     has no bf16; a whole-tensor copy costs a page fault per 4 KiB). The sums in one compiled pass and
-    numpy's min and max, not torch's reductions: seven of them a tensor, each with its dispatch, were
+    numpy's min and max (torch's aminmax on a large chunk), not torch's reductions: seven of them a tensor, each with its dispatch, were
     25% of a stats-only training loop's time on a CPU (cProfile, bench_trainer's model). The extremes
     are not in the compiled loop: a min and max there keep LLVM from vectorizing it (7x slower,
     measured), and numpy's are vectorized."""
@@ -116,7 +117,10 @@ def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int
     for start in range(0, x.numel(), CHUNK):
         piece = x[start:start + CHUNK]
         values = (scratch[:piece.numel()].copy_(piece) if widen else piece).numpy()
-        part = (*fast_sums(values), float(values.min()), float(values.max()), 0, 0)
+        # torch's aminmax: one pass on every core, 2.3x as fast as numpy's min and max on 1M
+        # elements; on 32K, its dispatch makes it half as fast.
+        low_high = torch.aminmax(piece) if piece.numel() >= ONE_PASS else (values.min(), values.max())
+        part = (*fast_sums(values), *map(float, low_high), 0, 0)
         if not (math.isfinite(part[0]) and math.isfinite(part[1])):  # a NaN or Inf here (or overflow)
             part = careful_stats(values)
         total, sum_sq, abs_sum = total + part[0], sum_sq + part[1], abs_sum + part[2]
