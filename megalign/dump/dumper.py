@@ -584,7 +584,8 @@ def _param_sharding(param: torch.nn.Parameter) -> Sharding:
     return Sharding(tp_dim=param.partition_dim, tp_parts=getattr(param, "partition_stride", 1))
 
 
-def _place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None) -> tuple[RankCoords, Layout, Optional[list[int]]]:
+def _place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None
+           ) -> tuple[RankCoords, Layout, Optional[list[int]]]:
     """This process's coordinates, the job's layout, and the ranks of this rank's DP group where the
     Dumper places them (None: megatron-core's parallel_state does, or a single process):
     parallel_state's where it is initialised, else torch.distributed's ranks as DP ranks over the

@@ -104,10 +104,10 @@ def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int
     """(sum, sum of squares, sum of |x|, min, max) over a flat CPU tensor's finite values, its NaN and
     Inf counts: CHUNK elements at a time, bf16 and fp16 widened into one reused float32 buffer (numpy
     has no bf16; a whole-tensor copy costs a page fault per 4 KiB). The sums in one compiled pass and
-    numpy's min and max (torch's aminmax on a large chunk), not torch's reductions: seven of them a tensor, each with its dispatch, were
-    25% of a stats-only training loop's time on a CPU (cProfile, bench_trainer's model). The extremes
-    are not in the compiled loop: a min and max there keep LLVM from vectorizing it (7x slower,
-    measured), and numpy's are vectorized."""
+    numpy's min and max (torch's aminmax on a large chunk), not torch's reductions: seven of them a
+    tensor, each with its dispatch, were 25% of a stats-only training loop's time on a CPU
+    (cProfile, bench_trainer's model). The extremes are not in the compiled loop: a min and max there
+    keep LLVM from vectorizing it (7x slower, measured), and numpy's are vectorized."""
     from megalign.dump.host_kernels import careful_stats, fast_sums  # numba: imported where first needed
 
     total = sum_sq = abs_sum = 0.0

@@ -8,12 +8,13 @@ An MLP of four residual blocks. On 4 ranks, two stages of two data-parallel rank
 the input layer and blocks 0-1, ranks 2 and 3 blocks 2-3 and the head; each stage keeps the whole
 model's module names (as torchtitan's pipeline split does: the other stage's blocks deleted), sends
 its activations to the next stage's rank of the same DP rank and receives their gradients back, and
-is wrapped in torch DDP over its own data-parallel group (a ("pp", "dp") DeviceMesh's "dp" dim). The loss is the batch's mean: each rank
-sums its rows' squared errors and divides by the batch's row count, all-reduced over its DP group,
-and DDP sums the gradients (a comm hook) instead of averaging them. SGD, two steps.
+is wrapped in torch DDP over its own data-parallel group (a ("pp", "dp") DeviceMesh's "dp" dim). The
+loss is the batch's mean: each rank sums its rows' squared errors and divides by the batch's row
+count, all-reduced over its DP group, and DDP sums the gradients (a comm hook) instead of averaging
+them. SGD, two steps.
 
-The Dumper is given the DP group (`dp_group=mesh["dp"]`): without it, DDP's group of 2 of the 4 ranks is refused
-at watch(). `--bug world-count` plants a classic: the batch's row count all-reduced over the whole
+The Dumper is given the DP group (`dp_group=mesh["dp"]`): without it, DDP's group of 2 of the 4
+ranks is refused at watch(). `--bug world-count` plants a classic: the batch's row count all-reduced over the whole
 world, stages included, so that the loss and every gradient are halved.
 """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megalign.dump.coverage import check_coverage, has_gradient
+from megalign.dump.coverage import check_coverage, have_gradients
 from megalign.dump.dumper import Dumper
 from megalign.dump.format import layer_of
 from megalign.dump.meta import package_version, run_meta
@@ -183,7 +183,8 @@ def write_param_grads(model: torch.nn.Module, names: NameMap, dumper: Dumper, ex
     """Gradients joined into megatron's parameters (fused QKV, fused gate/up); HF-only ones as they are.
     MoE experts, fused in memory, are first cut into the checkpoint's per-expert tensors."""
     grads = {name: param.grad for name, param in model.named_parameters()}
-    coverage = check_coverage([name for name, grad in grads.items() if not has_gradient(grad)], len(grads), ".grad")
+    present = have_gradients(list(grads.values()))
+    coverage = check_coverage([name for name, seen in zip(grads, present) if not seen], len(grads), ".grad")
     if experts is not None:
         grads = {key: value for name, grad in grads.items()
                  for key, value in experts.checkpoint_grads(name, grad, layer_of(name)).items()}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megalign.dump.coverage import check_coverage, has_gradient, read_grad
+from megalign.dump.coverage import check_coverage, have_gradients, read_grad
 from megalign.dump.ddp_grads import gathered_grads, shard_grads
 from megalign.dump.dumper import Dumper
 from megalign.spec import RunSpec
@@ -29,7 +29,7 @@ def _nonzero_in_tp_group(grads: dict) -> list[bool]:
     """Whether each gradient is nonzero on some rank of the TP group: a vocabulary-parallel embedding's
     shard is all zeros where no token of the batch falls in its rows, and is a gradient all the same.
     (Every TP rank holds the same parameters in the same order.)"""
-    flags = torch.tensor([has_gradient(grad) for grad in grads.values()], dtype=torch.uint8)
+    flags = torch.tensor(have_gradients(list(grads.values())), dtype=torch.uint8)
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
     return [bool(flag) for flag in flags]
