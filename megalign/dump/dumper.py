@@ -150,6 +150,11 @@ class Dumper:
         its local piece lies (dtensor.py). `module`: the module that made it, if any. `stable`: the
         tensor will not change before close() (a parameter gradient after the step), so it is
         written from where it is, not copied."""
+        self._record(kind, name, tensor, sharding, module=module, stable=stable)
+
+    def _record(self, kind: str, name: str, tensor: torch.Tensor, sharding: Optional[Sharding] = None, *,
+                module: Optional[str] = None, stable: bool = False, unless_zero: bool = False) -> None:
+        """add(); `unless_zero`: left out of the dump if its statistics say it is all zero."""
         if not self._writing:
             return
         if kind not in KINDS:
@@ -161,7 +166,7 @@ class Dumper:
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
             tensor, sharding = local_piece(tensor)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
-                         layer=layer_of(module or name), stable=stable)
+                         layer=layer_of(module or name), stable=stable, unless_zero=unless_zero)
 
     def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
                    module: Optional[str] = None, grad: bool = True) -> None:
@@ -356,13 +361,17 @@ class Dumper:
             if sharded(ddp):  # a collective: every rank gathers every bucket, watched or not
                 grads.update((names[id(p)], g) for p, g in gathered_grads(ddp) if id(p) in names)
         grads = {name: grads[name] if name in grads else read_grad(param) for name, param in self._watched.items()}
-        # A DTensor's all-zero test would be a collective, and a piece may be zero on one rank only.
-        tested = [name for name, grad in grads.items() if not is_dtensor(grad)]
-        present = dict(zip(tested, have_gradients([grads[name] for name in tested])))
+        # An all-zero gradient is a missing one (have_gradients). A DTensor's test would be a
+        # collective, and a piece may be zero on one rank only: never tested. Stats-only, each one's
+        # statistics say so at close: a read-back now would stall a device's queue every step.
+        tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
+        later = self._writer.stats_only
+        present = {} if later else dict(zip(tested, have_gradients([grads[name] for name in tested])))
         for name, param in self._watched.items():
             module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
-            if present.get(name, True):
-                self.add("param_grad", name, grads[name], sharding, module=module)
+            if grads[name] is not None and present.get(name, True):
+                self._record("param_grad", name, grads[name], sharding, module=module,
+                             unless_zero=later and name in tested)
             if self._params:
                 self.add("param", name, param.detach(), sharding, module=module)
 

@@ -73,6 +73,11 @@ class TensorStats:
         return self.sum / max(self.numel, 1)
 
     @property
+    def all_zero(self) -> bool:
+        """Every element 0 (or none): what count_nonzero would say, from the extremes, which are exact."""
+        return self.numel == 0 or (self.min == 0 and self.max == 0 and self.nan == 0 and self.inf == 0)
+
+    @property
     def norm(self) -> float:
         return math.sqrt(self.sum_sq)
 
@@ -136,56 +141,81 @@ ROW = 4096  # elements reduced together first: the rows side by side, then their
 class SummaryBatch:
     """Device statistics of many tensors, taken together and queued without waiting for them (a
     read-back a value would stall the step). Each tensor is copied, as float32, into a staging buffer
-    on its device at the start of a row of ROW elements, NaN after it; when the buffer is full, or the
-    summaries are taken, all its rows are reduced at once and each tensor's rows combined in float64:
-    per tensor the sum, sum of squares and sum of absolute values of its finite values, their min
-    and max, and its NaN and Inf counts (TensorStats.from_summary). Taken a tensor at a time they
-    were a compiled call each, 0.5 ms of the step's thread (2.7 of 4.5 s in 40 steps of a 4-layer
-    HF Llama on an H100, py-spy), or twenty eager kernels. `fused`: the rows reduced by one kernel
-    that torch.compile makes on first use (seconds, once), over the whole buffer's fixed shape so that
-    it compiles once; else a dozen eager kernels over the rows used. float64 tensors, and those
-    larger than the buffer, are summarised alone (_alone)."""
+    on its device at the start of a row of ROW elements, NaN after it in its last row (one larger
+    than the buffer goes in as pieces of a buffer each); when the buffer is full, or the summaries are
+    taken, its rows are reduced at once and each piece's rows combined in float64, then each
+    tensor's pieces: per tensor the sum, sum of squares and sum of absolute values of its finite
+    values, their min and max, and its NaN and Inf counts (TensorStats.from_summary). Taken a tensor
+    at a time they were a compiled call each, 0.5 ms of the step's thread (2.7 of 4.5 s in 40 steps
+    of a 4-layer HF Llama on an H100, py-spy), or twenty eager kernels; the logits, larger than the
+    buffer and so taken alone, were 40 eager passes over them a step. `fused`: the rows reduced by
+    one kernel that torch.compile makes on first use (seconds, once: the row count is dynamic), else
+    a dozen eager kernels. float64 tensors are summarised alone (_alone), in float64.
+
+    Nothing here waits for the device: a host value it needs there (which rows are whose) is copied
+    from page-locked memory behind the step's kernels (_queued), and nothing is indexed by a Python
+    list (a list index is such a copy from pageable memory, which waits for the whole queue: 20
+    stalls a step of that 4-layer Llama, torch.cuda.set_sync_debug_mode)."""
 
     def __init__(self, rows: int = 8192):  # 32M elements: 128 MiB of float32
         self.rows = rows
         self.fused = False
         self._buffer: Optional[torch.Tensor] = None
-        self._used = 0  # rows of the buffer holding tensors
-        self._segments: list[tuple[int, int]] = []  # (elements, rows) of each tensor in the buffer
-        self._made: list[torch.Tensor] = []  # [tensors, 7] float64 summaries, in the order added
+        self._used = 0  # rows of the buffer holding pieces
+        self._segments: list[tuple[int, int]] = []  # (elements, rows) of each piece in the buffer
+        self._made: list[torch.Tensor] = []  # [pieces, 7] float64 summaries, in the order added
+        self._owners: list[int] = []  # the tensor each summarised piece belongs to
+        self._tensors = 0  # added since the last take
 
     def add(self, tensor: torch.Tensor) -> None:
         x = tensor.detach().reshape(-1)
         if not x.is_floating_point():
             x = x.double()
-        n = x.numel()
-        rows = -(-n // ROW)
-        if x.dtype == torch.float64 or rows > self.rows:  # float64 kept exact; too large to stage
+        owner, self._tensors = self._tensors, self._tensors + 1
+        if x.dtype == torch.float64:  # kept exact
             self._reduce()
             self._made.append(_alone(x))
+            self._owners.append(owner)
             return
-        if self._buffer is not None and (self._buffer.device != x.device or self._used + rows > self.rows):
-            self._reduce()
-        if self._buffer is None or self._buffer.device != x.device:
-            self._buffer = torch.full((self.rows * ROW,), math.nan, dtype=torch.float32, device=x.device)
-        self._buffer[self._used * ROW:self._used * ROW + n].copy_(x)
-        self._segments.append((n, rows))
-        self._used += rows
+        size = self.rows * ROW
+        for start in range(0, max(x.numel(), 1), size):  # an empty tensor: one empty piece
+            self._stage(x[start:start + size])
+            self._owners.append(owner)
 
     def take(self) -> Optional[torch.Tensor]:
         """Every summary since the last take, [tensors, 7] float64 on the device, in the order added."""
         self._reduce()
-        made, self._made = self._made, []
-        return torch.cat(made) if made else None
+        made, owners, count = self._made, self._owners, self._tensors
+        self._made, self._owners, self._tensors = [], [], 0
+        if not made:
+            return None
+        pieces = torch.cat(made)
+        if len(owners) == count:  # no tensor in pieces
+            return pieces
+        return _group(pieces, _queued(owners, torch.int64, pieces.device), count)
+
+    def _stage(self, x: torch.Tensor) -> None:
+        n = x.numel()
+        rows = -(-n // ROW)
+        if self._buffer is not None and (self._buffer.device != x.device or self._used + rows > self.rows):
+            self._reduce()
+        if self._buffer is None or self._buffer.device != x.device:
+            self._buffer = torch.empty(self.rows * ROW, dtype=torch.float32, device=x.device)
+        start = self._used * ROW
+        self._buffer[start:start + n].copy_(x)
+        if n < rows * ROW:  # the last row's rest; a tensor of whole rows (most activations) has none
+            self._buffer[start + n:start + rows * ROW].fill_(math.nan)
+        self._segments.append((n, rows))
+        self._used += rows
 
     def _reduce(self) -> None:
         if not self._segments:
             return
-        rows = self._buffer.view(self.rows, ROW)
+        # Two rows at least: the compiled kernel's row count is dynamic from 2 (one would compile anew).
+        rows = self._buffer.view(self.rows, ROW)[:max(self._used, min(2, self.rows))]
         per_row = _fused_rows(rows) if self.fused else None
-        per_row = _row_stats(rows[:self._used]) if per_row is None else per_row[:self._used]
+        per_row = (_row_stats(rows) if per_row is None else per_row)[:self._used]
         self._made.append(_combine(per_row.double(), self._segments))
-        self._buffer[:self._used * ROW].fill_(math.nan)
         self._segments, self._used = [], 0
 
 
@@ -209,32 +239,48 @@ def _row_stats(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _combine(per_row: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
-    """Rows' statistics (float64) -> each tensor's, [tensors, 7], for tensors of (elements, rows) laid
+    """Rows' statistics (float64) -> each piece's, [pieces, 7], for pieces of (elements, rows) laid
     one after another, the NaN padding after each left out of its NaN count."""
-    device, count = per_row.device, len(segments)
-    segment = torch.repeat_interleave(torch.arange(count), torch.tensor([r for _, r in segments])).to(device)
-    numel, padding = torch.tensor([[n, r * ROW - n] for n, r in segments], dtype=torch.float64).to(device).T
-    sums = torch.zeros(count, 5, dtype=torch.float64, device=device).index_add_(0, segment, per_row[:, [0, 1, 2, 5, 6]])
-    low = torch.full((count,), math.inf, dtype=torch.float64, device=device).scatter_reduce_(
-        0, segment, per_row[:, 3], "amin")
-    high = torch.full((count,), -math.inf, dtype=torch.float64, device=device).scatter_reduce_(
-        0, segment, per_row[:, 4], "amax")
-    nan = sums[:, 3] - padding
-    return torch.stack([sums[:, 0], sums[:, 1], sums[:, 2], low, high, nan, numel - sums[:, 4] - nan], 1)
+    device = per_row.device
+    segment = _queued([i for i, (_, r) in enumerate(segments) for _ in range(r)], torch.int64, device)
+    numel, padding = _queued([[n, r * ROW - n] for n, r in segments], torch.float64, device).T
+    grouped = _group(per_row, segment, len(segments))
+    nan = grouped[:, 5] - padding
+    return torch.cat([grouped[:, :5], nan[:, None], (numel - grouped[:, 6] - nan)[:, None]], 1)
+
+
+def _group(values: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tensor:
+    """[k, 7] statistics (three sums, min, max, two counts) -> [count, 7], row i into row owner[i]."""
+    added = torch.zeros(count, 7, dtype=values.dtype, device=values.device).index_add_(0, owner, values)
+    low = torch.full((count,), math.inf, dtype=values.dtype, device=values.device).scatter_reduce_(
+        0, owner, values[:, 3], "amin")
+    high = torch.full((count,), -math.inf, dtype=values.dtype, device=values.device).scatter_reduce_(
+        0, owner, values[:, 4], "amax")
+    return torch.cat([added[:, :3], low[:, None], high[:, None], added[:, 5:]], 1)
+
+
+def _queued(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on `device`, the copy queued behind the step's kernels from page-locked memory:
+    torch copies pageable memory to a GPU by waiting for the whole queue first."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 _compiled: Union[Callable, None, bool] = None  # _row_stats compiled on first use; False: it would not
 
 
 def _fused_rows(rows: torch.Tensor) -> Optional[torch.Tensor]:
-    """_row_stats by one kernel that torch.compile makes (once: the buffer's shape is fixed), or None
-    where it cannot be compiled (the caller takes them eagerly)."""
+    """_row_stats by one kernel that torch.compile makes once (the row count dynamic, from 2), or
+    None where it cannot be compiled (the caller takes them eagerly)."""
     global _compiled
     if _compiled is False:
         return None
     try:
         if _compiled is None:
             _compiled = torch.compile(_row_stats, dynamic=False, fullgraph=True)
+        torch._dynamo.mark_dynamic(rows, 0)
         return _compiled(rows)
     except Exception as error:  # no Triton, no compiler: the same values, eagerly
         warnings.warn(f"megalign: device statistics are taken eagerly, torch.compile failed ({error})")

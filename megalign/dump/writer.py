@@ -57,6 +57,7 @@ class RankWriter:
         # --stats-only on a device: summaries queued behind the step's kernels, read back in batches
         # (one copy and one event each, filled in by a writing thread), the run never waiting on them.
         self._summarized: list[TensorRecord] = []
+        self._unless_zero: list[TensorRecord] = []
         self._stats: list[Future] = []
         self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="megalign-writer")
         self._local = threading.local()  # each writing thread's own pinned buffers: .staging
@@ -70,9 +71,11 @@ class RankWriter:
         return kind == "input" or self.filter is None or bool(self.filter.search(name))
 
     def add(self, kind: Kind, name: str, tensor: torch.Tensor, sharding: Sharding,
-            module: Optional[str] = None, layer: Optional[int] = None, stable: bool = False) -> None:
+            module: Optional[str] = None, layer: Optional[int] = None, stable: bool = False,
+            unless_zero: bool = False) -> None:
         """Record a tensor. `stable`: it will not change before close() (parameter gradients after the
-        step), so it is written from where it is; any other is copied now."""
+        step), so it is written from where it is; any other is copied now. `unless_zero` (stats-only):
+        the record is left out at close if its statistics say the tensor is all zero."""
         if not self.wants(kind, name):
             return
         self._raise()
@@ -80,6 +83,8 @@ class RankWriter:
         record = TensorRecord(kind=kind, name=name, order=len(self.records), shape=list(tensor.shape),
                               dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer)
         if self.stats_only:
+            if unless_zero:
+                self._unless_zero.append(record)
             if tensor.device.type == "cpu" or tensor.numel() == 0:
                 # Here and now: a copy for a writing thread to sum costs a pass of its own, and the
                 # thread takes the cores the run uses (stats-only 1.8x the loop without the Dumper,
@@ -109,6 +114,8 @@ class RankWriter:
         for done in self._stats:
             done.result()
         self._raise()
+        zero = {id(record) for record in self._unless_zero if record.stats.all_zero}
+        self.records = [record for record in self.records if id(record) not in zero]  # orders kept, gaps and all
         self.bytes_written = sum(done.result() for done in self._files)
         write_json_atomic(self.dir / MANIFEST, {
             "format": FORMAT, "version": VERSION, "rank": self.coords.rank, "tp_rank": self.coords.tp_rank,

@@ -142,9 +142,9 @@ def test_hanging_worker_is_stopped_at_the_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGALIGN_TEST_RUN", marker)
     monkeypatch.setenv("MEGALIGN_FAULT", "hang@1")
     out = tmp_path / "out"
-    result = invoke("forward", "--cp", "2", "--timeout", "20", "--out", out)
+    result = invoke("forward", "--cp", "2", "--timeout", "10", "--out", out)
     assert result.exit_code == 1
-    assert "timed out after 20 s" in error_line(result)
+    assert "timed out after 10 s" in error_line(result)
     assert list(tmp_path.iterdir()) == []
     assert not processes_with_env(f"MEGALIGN_TEST_RUN={marker}"), "workers left running after a timeout"
 

@@ -34,10 +34,12 @@ def summaries(tensors: list[torch.Tensor], rows: int = 8, fused: bool = False) -
 
 def test_tensors_summarised_together_read_back_as_each_ones_cpu_statistics():
     """Side by side in one buffer, across a full buffer (3 rows of 4096 each, in a buffer of 8: the
-    third is reduced after the first two), alone where float64 or larger than the buffer."""
+    third is reduced after the first two, in rows a reduced tensor left behind), alone where float64,
+    in pieces of a buffer each where larger (its extremes, a NaN and an Inf in its second piece)."""
     big = [torch.randn(3 * 4096 - 5, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     big[1][7], big[2][-1] = math.nan, -math.inf
     huge = torch.randn(9 * 4096, generator=torch.Generator().manual_seed(9)).bfloat16()
+    huge[8 * 4096 + 1], huge[8 * 4096 + 2], huge[-1], huge[-2] = 50, -50, math.nan, math.inf
     tensors = [*CASES.values(), *big, huge, CASES["nonfinite"]]
     for ours, x in zip(summaries(tensors), tensors):
         assert ours == pytest.approx(TensorStats.of(x).to_dict(), rel=1e-5, nan_ok=True)
@@ -57,7 +59,9 @@ def test_on_a_device_the_summaries_read_back_as_the_cpu_statistics(fused):
     """Eagerly, and through the compiled kernel, with a NaN and an Inf in a bf16 tensor."""
     x = torch.randn(100_003, generator=torch.Generator().manual_seed(2)).bfloat16()
     x[10], x[99_999] = math.nan, -math.inf
-    tensors = [*CASES.values(), x]
+    larger = torch.randn(300_001, generator=torch.Generator().manual_seed(4))  # 74 rows: in two pieces
+    larger[-1] = math.nan
+    tensors = [*CASES.values(), x, larger, *CASES.values()]
     for ours, cpu in zip(summaries([t.cuda() for t in tensors], rows=64, fused=fused), tensors):
         assert ours == pytest.approx(TensorStats.of(cpu).to_dict(), rel=1e-5, nan_ok=True)
 
