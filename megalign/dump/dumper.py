@@ -241,6 +241,12 @@ class Dumper:
             # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
             raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
                                       "add() each tensor with its megalign.Sharding")
+        if outputs and not megatron and _tensor_parallel(module):
+            # Its outputs are local pieces (parallelize_module hands them on as plain tensors, placement
+            # dropped): read as replicas or as the batch split, they would be put back together wrong.
+            raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module): its "
+                                      "outputs carry no placement; watch(model, outputs=False) dumps its parameters "
+                                      "and gradients (DTensors), add() an output with its megalign.Sharding")
         if outputs and megatron and self.layout.pp > 1:  # every stage counts its layers from 0: names would collide
             raise NotImplementedError("watch() of a megatron-core model split over PP stages: add() each output")
 
@@ -583,6 +589,13 @@ def _argument(module: torch.nn.Module, name: str) -> Callable[[tuple, dict], obj
         return kwargs.get(name)
 
     return read
+
+
+def _tensor_parallel(module: torch.nn.Module) -> bool:
+    """Whether torch's parallelize_module hooked a submodule: distribute_module marks each module it
+    hooks with `_distribute_module_applied` (private to torch; tests/trainer/test_torch_tp.py finds
+    a real model refused, so a torch that dropped the mark fails there)."""
+    return any(getattr(sub, "_distribute_module_applied", False) for sub in module.modules())
 
 
 def _param_sharding(param: torch.nn.Parameter) -> Sharding:

@@ -23,6 +23,7 @@ import megalign
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--bug", choices=["local-norm"])
+parser.add_argument("--watch-outputs", action="store_true", help="watch the modules' outputs too (refused)")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -34,7 +35,7 @@ parallelize_module(model, mesh, {"0": ColwiseParallel(output_layouts=Shard(0)), 
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 dumper = megalign.Dumper.from_env(params=True)
-dumper.watch(model, outputs=False)  # the parameters and their gradients: DTensors, placed by their placements
+dumper.watch(model, outputs=args.watch_outputs)  # the parameters and their gradients: DTensors, placed by their placements
 for step in range(2):
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))  # every rank: the whole batch
     with dumper.step(step):
