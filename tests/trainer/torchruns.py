@@ -28,6 +28,17 @@ def finish(*runs: subprocess.Popen) -> None:
         assert run.returncode == 0, output[-4000:]
 
 
+def refused(out: Path, *args: str, script: Path, ranks: int) -> str:
+    """The output of a run of `script` that must fail, having left no dump in `out`. (Rank 0's staging
+    folder may remain, torchrun having stopped it before it removed it: its marker names a process
+    gone, and the next run clears it.)"""
+    run = start(out, *args, script=script, ranks=ranks)
+    output, _ = run.communicate(timeout=300)
+    assert run.returncode != 0, output[-4000:]
+    assert not out.exists()
+    return output
+
+
 def dump_all(root: Path, script: Path, runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, Path]:
     """Every run of `script` (name: its ranks and arguments) side by side, each dumping into root/name."""
     made = {name: root / name for name in runs}
