@@ -14,7 +14,6 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 CHUNK = 1 << 20  # elements summed at a time on a CPU (4 MiB of float32)
-ONE_PASS = 1 << 16  # elements from which a CPU chunk's min and max are torch's aminmax
 
 
 @dataclass(frozen=True)
@@ -109,10 +108,11 @@ def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int
     """(sum, sum of squares, sum of |x|, min, max) over a flat CPU tensor's finite values, its NaN and
     Inf counts: CHUNK elements at a time, bf16 and fp16 widened into one reused float32 buffer (numpy
     has no bf16; a whole-tensor copy costs a page fault per 4 KiB). The sums in one compiled pass and
-    numpy's min and max (torch's aminmax on a large chunk), not torch's reductions: seven of them a
-    tensor, each with its dispatch, were 25% of a stats-only training loop's time on a CPU
-    (cProfile, bench_trainer's model). The extremes are not in the compiled loop: a min and max there
-    keep LLVM from vectorizing it (7x slower, measured), and numpy's are vectorized."""
+    the extremes by torch's aminmax, not torch's reductions: seven of them a tensor, each with its
+    dispatch, were 25% of a stats-only training loop's time on a CPU (cProfile, bench_trainer's
+    model). The extremes are not in the compiled loop: a min and max there keep LLVM from vectorizing
+    it (7x slower, measured). aminmax is one pass on every core: 2.3x as fast as numpy's min and max
+    on 1M elements, 1.4x on 4K, level on 32K (2 cores)."""
     from megalign.dump.host_kernels import careful_stats, fast_sums  # numba: imported where first needed
 
     total = sum_sq = abs_sum = 0.0
@@ -122,10 +122,7 @@ def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int
     for start in range(0, x.numel(), CHUNK):
         piece = x[start:start + CHUNK]
         values = (scratch[:piece.numel()].copy_(piece) if widen else piece).numpy()
-        # torch's aminmax: one pass on every core, 2.3x as fast as numpy's min and max on 1M
-        # elements; on 32K, its dispatch makes it half as fast.
-        low_high = torch.aminmax(piece) if piece.numel() >= ONE_PASS else (values.min(), values.max())
-        part = (*fast_sums(values), *map(float, low_high), 0, 0)
+        part = (*fast_sums(values), *map(float, torch.aminmax(piece)), 0, 0)
         if not (math.isfinite(part[0]) and math.isfinite(part[1])):  # a NaN or Inf here (or overflow)
             part = careful_stats(values)
         total, sum_sq, abs_sum = total + part[0], sum_sq + part[1], abs_sum + part[2]
