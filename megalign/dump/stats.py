@@ -139,29 +139,30 @@ class SummaryBatch:
     """Device statistics of many tensors, taken together and queued without waiting for them (a
     read-back a value would stall the step). Each tensor is copied, as float32, into a staging buffer
     on its device at the start of a row of ROW elements, NaN after it in its last row (one larger
-    than the buffer goes in as pieces of a buffer each); when the buffer is full, or the summaries are
-    taken, its rows are reduced at once and each piece's rows combined in float64, then each
-    tensor's pieces: per tensor the sum, sum of squares and sum of absolute values of its finite
+    than the buffer goes in as pieces of a buffer each); when the buffer is full its rows are
+    reduced at once, and when the summaries are taken every row reduced since is combined, in
+    float64, into each tensor's: the sum, sum of squares and sum of absolute values of its finite
     values, their min and max, and its NaN and Inf counts (TensorStats.from_summary). Taken a tensor
     at a time they were a compiled call each, 0.5 ms of the step's thread (2.7 of 4.5 s in 40 steps
     of a 4-layer HF Llama on an H100, py-spy), or twenty eager kernels; the logits, larger than the
-    buffer and so taken alone, were 40 eager passes over them a step. `fused`: the rows reduced by
-    one kernel that torch.compile makes on first use (seconds, once: the row count is dynamic), else
-    a dozen eager kernels. float64 tensors are summarised alone (_alone), in float64.
+    buffer and so taken alone, were 40 eager passes over them a step; combined at each reduction
+    (20 a step), a dozen small kernels and two page-locked copies each, 1 ms of the step's thread.
+    `fused`: the rows reduced by one kernel that torch.compile makes on first use (seconds, once: the
+    row count is dynamic), else a dozen eager kernels. float64 tensors are reduced alone, in float64.
 
-    Nothing here waits for the device: a host value it needs there (which rows are whose) is copied
-    from page-locked memory behind the step's kernels (_queued), and nothing is indexed by a Python
-    list (a list index is such a copy from pageable memory, which waits for the whole queue: 20
-    stalls a step of that 4-layer Llama, torch.cuda.set_sync_debug_mode)."""
+    Nothing here waits for the device: the host's part (which rows are whose) is copied from
+    page-locked memory behind the step's kernels (_queued), and nothing is indexed by a Python list
+    (a list index is a copy from pageable memory, which waits for the whole queue: 20 stalls a step
+    of that 4-layer Llama, torch.cuda.set_sync_debug_mode)."""
 
     def __init__(self, rows: int = 8192):  # 32M elements: 128 MiB of float32
         self.rows = rows
         self.fused = False
         self._buffer: Optional[torch.Tensor] = None
-        self._used = 0  # rows of the buffer holding pieces
-        self._segments: list[tuple[int, int]] = []  # (elements, rows) of each piece in the buffer
-        self._made: list[torch.Tensor] = []  # [pieces, 7] float64 summaries, in the order added
-        self._owners: list[int] = []  # the tensor each summarised piece belongs to
+        self._used = 0  # rows of the buffer holding pieces not yet reduced
+        self._staged = 0  # pieces in the buffer not yet reduced (an empty one holds no row)
+        self._reduced: list[torch.Tensor] = []  # [rows, 7] statistics of every row reduced since the last take
+        self._pieces: list[tuple[int, int, int]] = []  # (tensor, elements, rows) of each piece, in row order
         self._tensors = 0  # added since the last take
 
     def add(self, tensor: torch.Tensor) -> None:
@@ -169,29 +170,30 @@ class SummaryBatch:
         if not x.is_floating_point():
             x = x.double()
         owner, self._tensors = self._tensors, self._tensors + 1
-        if x.dtype == torch.float64:  # kept exact
+        if x.dtype == torch.float64:  # kept exact: its rows reduced now, in float64
             self._reduce()
-            self._made.append(_alone(x))
-            self._owners.append(owner)
+            n, rows = x.numel(), -(-x.numel() // ROW)
+            self._reduced.append(_row_stats(torch.nn.functional.pad(x, (0, rows * ROW - n), value=math.nan)
+                                            .view(rows, ROW)))
+            self._pieces.append((owner, n, rows))
             return
         size = self.rows * ROW
-        for start in range(0, max(x.numel(), 1), size):  # an empty tensor: one empty piece
-            self._stage(x[start:start + size])
-            self._owners.append(owner)
+        if x.numel() <= size:  # most: one piece, the tensor itself (a slice costs the step's thread)
+            self._stage(owner, x)
+            return
+        for start in range(0, x.numel(), size):
+            self._stage(owner, x[start:start + size])
 
     def take(self) -> Optional[torch.Tensor]:
         """Every summary since the last take, [tensors, 7] float64 on the device, in the order added."""
         self._reduce()
-        made, owners, count = self._made, self._owners, self._tensors
-        self._made, self._owners, self._tensors = [], [], 0
-        if not made:
+        reduced, pieces, count = self._reduced, self._pieces, self._tensors
+        self._reduced, self._pieces, self._tensors = [], [], 0
+        if not pieces:
             return None
-        pieces = torch.cat(made)
-        if len(owners) == count:  # no tensor in pieces
-            return pieces
-        return _group(pieces, _queued(owners, torch.int64, pieces.device), count)
+        return _summaries(torch.cat(reduced).double(), pieces, count)
 
-    def _stage(self, x: torch.Tensor) -> None:
+    def _stage(self, owner: int, x: torch.Tensor) -> None:
         n = x.numel()
         rows = -(-n // ROW)
         if self._buffer is not None and (self._buffer.device != x.device or self._used + rows > self.rows):
@@ -202,27 +204,18 @@ class SummaryBatch:
         self._buffer[start:start + n].copy_(x)
         if n < rows * ROW:  # the last row's rest; a tensor of whole rows (most activations) has none
             self._buffer[start + n:start + rows * ROW].fill_(math.nan)
-        self._segments.append((n, rows))
+        self._pieces.append((owner, n, rows))
         self._used += rows
+        self._staged += 1
 
     def _reduce(self) -> None:
-        if not self._segments:
+        if not self._staged:
             return
         # Two rows at least: the compiled kernel's row count is dynamic from 2 (one would compile anew).
         rows = self._buffer.view(self.rows, ROW)[:max(self._used, min(2, self.rows))]
         per_row = _fused_rows(rows) if self.fused else None
-        per_row = (_row_stats(rows) if per_row is None else per_row)[:self._used]
-        self._made.append(_combine(per_row.double(), self._segments))
-        self._segments, self._used = [], 0
-
-
-def _alone(x: torch.Tensor) -> torch.Tensor:
-    """One tensor's summary, [1, 7] float64, taken on its own (float64 in float64)."""
-    n = x.numel()
-    rows = -(-n // ROW)
-    wide = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    padded = torch.nn.functional.pad(wide, (0, rows * ROW - n), value=math.nan).view(rows, ROW)
-    return _combine(_row_stats(padded).double(), [(n, rows)])
+        self._reduced.append((_row_stats(rows) if per_row is None else per_row)[:self._used])
+        self._used = self._staged = 0
 
 
 def _row_stats(rows: torch.Tensor) -> torch.Tensor:
@@ -235,15 +228,18 @@ def _row_stats(rows: torch.Tensor) -> torch.Tensor:
                         torch.isnan(rows).sum(1).to(rows.dtype), finite.sum(1).to(rows.dtype)], 1)
 
 
-def _combine(per_row: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
-    """Rows' statistics (float64) -> each piece's, [pieces, 7], for pieces of (elements, rows) laid
-    one after another, the NaN padding after each left out of its NaN count."""
+def _summaries(per_row: torch.Tensor, pieces: list[tuple[int, int, int]], count: int) -> torch.Tensor:
+    """Rows' statistics (float64) -> each of `count` tensors', [count, 7], for pieces of (tensor,
+    elements, rows) whose rows lie one after another, the NaN padding after each piece left out of
+    its NaN count. The pieces' numbers cross in one copy; each row's piece is made on the device."""
     device = per_row.device
-    segment = _queued([i for i, (_, r) in enumerate(segments) for _ in range(r)], torch.int64, device)
-    numel, padding = _queued([[n, r * ROW - n] for n, r in segments], torch.float64, device).T
-    grouped = _group(per_row, segment, len(segments))
-    nan = grouped[:, 5] - padding
-    return torch.cat([grouped[:, :5], nan[:, None], (numel - grouped[:, 6] - nan)[:, None]], 1)
+    owner, numel, rows = _queued(list(zip(*pieces)), torch.int64, device)
+    piece = torch.repeat_interleave(torch.arange(len(pieces), device=device), rows, output_size=per_row.shape[0])
+    grouped = _group(per_row, piece, len(pieces))
+    numel = numel.double()
+    nan = grouped[:, 5] - (rows * ROW - numel)
+    made = torch.cat([grouped[:, :5], nan[:, None], (numel - grouped[:, 6] - nan)[:, None]], 1)
+    return made if len(pieces) == count else _group(made, owner, count)
 
 
 def _group(values: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tensor:
