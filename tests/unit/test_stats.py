@@ -66,6 +66,32 @@ def test_on_a_device_the_summaries_read_back_as_the_cpu_statistics(fused):
         assert ours == pytest.approx(TensorStats.of(cpu).to_dict(), rel=1e-5, nan_ok=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.sh runs it)")
+def test_on_a_device_a_stats_only_step_never_waits_for_the_device(tmp_path):
+    """The step's thread never waits for the GPU (a wait at each reduction stalled the queue 20 times a
+    step): with torch's sync debug mode at "error", stats-only steps of a small model, eager (step 0)
+    and through the compiled kernel (step 2; compiled in step 1) raise nothing, and the dump holds
+    every tensor with its statistics."""
+    import megalign
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).cuda()
+    x = torch.randn(8, 64, device="cuda")
+    with megalign.Dumper(tmp_path / "out", stats_only=True) as dumper:
+        dumper.watch(model)
+        for step in range(3):
+            torch.cuda.set_sync_debug_mode("error" if step != 1 else 0)
+            try:
+                with dumper.step(step):
+                    model(x).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            model.zero_grad()
+    dump = megalign.open(tmp_path / "out")
+    assert len(dump.names()) == 3 * (3 + 3 + 4)  # each step: 3 outputs, their gradients, 4 parameter gradients
+    assert all(shard.stats["numel"] > 0 for kind, name in dump.names() for shard in dump.shards(kind, name))
+
+
 def reference(x: torch.Tensor) -> dict:
     """Plain float64 torch over the finite values."""
     flat = x.flatten().double()
