@@ -85,7 +85,7 @@ class RankWriter:
         if self.stats_only:
             if unless_zero:
                 self._unless_zero.append(record)
-            if tensor.device.type == "cpu" or tensor.numel() == 0:
+            if tensor.device.type == "cpu":
                 # Here and now: a copy for a writing thread to sum costs a pass of its own, and the
                 # thread takes the cores the run uses (stats-only 1.8x the loop without the Dumper,
                 # against 3.0x so, bench_trainer.py on 2 cores).

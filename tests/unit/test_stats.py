@@ -67,18 +67,30 @@ def test_on_a_device_the_summaries_read_back_as_the_cpu_statistics(fused):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.sh runs it)")
-def test_on_a_device_a_stats_only_step_never_waits_for_the_device(tmp_path):
+def test_on_a_device_a_stats_only_step_never_waits_for_the_device(tmp_path, monkeypatch):
     """The step's thread never waits for the GPU (a wait at each reduction stalled the queue 20 times a
-    step): with torch's sync debug mode at "error", stats-only steps of a small model, eager (step 0)
-    and through the compiled kernel (step 2; compiled in step 1) raise nothing, and the dump holds
-    every tensor with its statistics."""
+    step): with torch's sync debug mode at "error", stats-only steps of a small model raise nothing,
+    eager (step 0) and through the compiled kernel (step 2; compiled in step 1), with a buffer of two
+    rows and a read-back every 4 tensors, so that reductions and read-backs happen inside the steps;
+    an empty output among them. The dump holds every tensor with its statistics."""
     import megalign
+    from megalign.dump import writer
 
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.empty, self.second = torch.nn.Linear(64, 64), torch.nn.Identity(), torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            self.empty(x[:0])
+            return self.second(torch.relu(self.first(x)))
+
+    monkeypatch.setattr(writer, "SUMMARIES_PER_COPY", 4)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).cuda()
-    x = torch.randn(8, 64, device="cuda")
+    model, x = Model().cuda(), torch.randn(8, 64, device="cuda")
     with megalign.Dumper(tmp_path / "out", stats_only=True) as dumper:
         dumper.watch(model)
+        dumper._writer.summaries = SummaryBatch(rows=2)
         for step in range(3):
             torch.cuda.set_sync_debug_mode("error" if step != 1 else 0)
             try:
@@ -88,8 +100,10 @@ def test_on_a_device_a_stats_only_step_never_waits_for_the_device(tmp_path):
                 torch.cuda.set_sync_debug_mode(0)
             model.zero_grad()
     dump = megalign.open(tmp_path / "out")
-    assert len(dump.names()) == 3 * (3 + 3 + 4)  # each step: 3 outputs, their gradients, 4 parameter gradients
-    assert all(shard.stats["numel"] > 0 for kind, name in dump.names() for shard in dump.shards(kind, name))
+    # Each step: 3 outputs, the gradients of the two linears', 4 parameter gradients.
+    assert len(dump.names()) == 3 * (3 + 2 + 4)
+    stats = {name: dump.shards(kind, name)[0].stats for kind, name in dump.names()}
+    assert stats["step2/empty"]["numel"] == 0 and stats["step2/second"]["numel"] == 8 * 64
 
 
 def reference(x: torch.Tensor) -> dict:
