@@ -90,6 +90,7 @@ def generated(tmp_path_factory):
     """{"plain": folder, "swap": folder, "tokens": tokens.json}: generate's passes as a server dumps them, and
     with the two requests' rows of the last decode pass swapped (both processes at once)."""
     out = tmp_path_factory.mktemp("generate")
+    build()  # once, here: both processes would otherwise build the checkpoint side by side
     runs = {kind: subprocess.Popen([sys.executable, str(GENERATE), str(out / kind), kind], cwd=GENERATE.parent,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             for kind in ("plain", "swap")}
