@@ -231,15 +231,15 @@ def _row_stats(rows: torch.Tensor) -> torch.Tensor:
 def _summaries(per_row: torch.Tensor, pieces: list[tuple[int, int, int]], count: int) -> torch.Tensor:
     """Rows' statistics (float64) -> each of `count` tensors', [count, 7], for pieces of (tensor,
     elements, rows) whose rows lie one after another, the NaN padding after each piece left out of
-    its NaN count. The pieces' numbers cross in one copy; each row's piece is made on the device."""
+    its tensor's NaN count. The pieces' numbers cross in one copy; each row's tensor is made on the
+    device."""
     device = per_row.device
     owner, numel, rows = _queued(list(zip(*pieces)), torch.int64, device)
-    piece = torch.repeat_interleave(torch.arange(len(pieces), device=device), rows, output_size=per_row.shape[0])
-    grouped = _group(per_row, piece, len(pieces))
-    numel = numel.double()
-    nan = grouped[:, 5] - (rows * ROW - numel)
-    made = torch.cat([grouped[:, :5], nan[:, None], (numel - grouped[:, 6] - nan)[:, None]], 1)
-    return made if len(pieces) == count else _group(made, owner, count)
+    grouped = _group(per_row, torch.repeat_interleave(owner, rows, output_size=per_row.shape[0]), count)
+    numel, padding = torch.zeros(2, count, dtype=torch.float64, device=device).index_add_(
+        1, owner, torch.stack([numel, rows * ROW - numel]).double())
+    nan = grouped[:, 5] - padding
+    return torch.cat([grouped[:, :5], nan[:, None], (numel - grouped[:, 6] - nan)[:, None]], 1)
 
 
 def _group(values: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tensor:

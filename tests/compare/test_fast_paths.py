@@ -140,7 +140,8 @@ def compare(a, b):
 
 
 @pytest.mark.parametrize("layout", [CP2, TP2])
-@pytest.mark.parametrize("window", [3000, 200])  # a few rows; or, rows (256 bytes and more) being larger, runs of the last dim
+# Windows of a few rows; or, the rows (256 bytes and more) being larger, runs of the last dim.
+@pytest.mark.parametrize("window", [3000, 200])
 def test_pairs_streamed_a_few_rows_at_a_time_get_the_metrics_of_the_whole(dump, monkeypatch, layout, window):
     whole = compare(dump(*CP1), dump(*layout))
     monkeypatch.setattr(verdict, "STREAM_BYTES", 1)  # every tensor of a megalign dump is streamed

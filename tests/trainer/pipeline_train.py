@@ -14,8 +14,8 @@ count, all-reduced over its DP group, and DDP sums the gradients (a comm hook) i
 them. SGD, two steps.
 
 The Dumper is given the DP group (`dp_group=mesh["dp"]`): without it, DDP's group of 2 of the 4
-ranks is refused at watch(). `--bug world-count` plants a classic: the batch's row count all-reduced over the whole
-world, stages included, so that the loss and every gradient are halved.
+ranks is refused at watch(). `--bug world-count` plants a classic: the batch's row count all-reduced
+over the whole world, stages included, so that the loss and every gradient are halved.
 """
 
 import argparse

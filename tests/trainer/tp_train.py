@@ -35,7 +35,8 @@ parallelize_module(model, mesh, {"0": ColwiseParallel(output_layouts=Shard(0)), 
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
 dumper = megalign.Dumper.from_env(params=True)
-dumper.watch(model, outputs=args.watch_outputs)  # the parameters and their gradients: DTensors, placed by their placements
+# The parameters and their gradients: DTensors, placed by their placements (outputs: refused).
+dumper.watch(model, outputs=args.watch_outputs)
 for step in range(2):
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))  # every rank: the whole batch
     with dumper.step(step):
