@@ -26,7 +26,8 @@ mkdir -p "$OUTDIR" "$LOGS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   # Bytecode compiled at install: each rank would otherwise compile megatron-core's sources as it imports them.
-  python3 -m pip install -q --no-index --no-deps --target /tmp/megalign-site .whl/*.whl || exit 1
+  # The wheel for the host's Python, of those in .whl (one a Python version: cp311, cp312).
+  python3 -m pip install -q --no-index --no-deps --find-links .whl --target /tmp/megalign-site megatron-core || exit 1
   export PYTHONPATH=/tmp/megalign-site:$PWD
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}

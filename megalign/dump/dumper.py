@@ -347,8 +347,8 @@ class Dumper:
         after finalize_model_grads) and before the optimizer step."""
         outside, outside_step = self._writing, self._step_now
         self._writing, self._step_now = self._choice.wants(n), n
-        # From the second step on, device statistics go through a compiled kernel: its compilation
-        # (seconds) pays off over a training loop, not in a run of one step (megalign's own).
+        # From the second step on, device statistics go through a Triton kernel: its compilation
+        # (about a second a dtype) pays off over a training loop, not in a run of one step (megalign's own).
         self._writer.summaries.fused = bool(self._steps)
         if self._writing:
             self._marks.append([n, len(self.records)])

@@ -14,6 +14,7 @@ dump.json, is incomplete and is refused by `Dump.open` (reader.py); writer.py wr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -112,6 +113,7 @@ def precision_name(dtype: str) -> Optional[str]:
 _LAYER = re.compile(r"layers\.(\d+)(?:\.|$)")
 
 
+@functools.lru_cache(maxsize=65536)  # asked of every tensor a step: the names repeat
 def layer_of(name: str) -> Optional[int]:
     """The layer index in a tensor name (`decoder.layers.3.mlp` -> 3), for any stack's naming."""
     match = _LAYER.search(name)

@@ -137,18 +137,20 @@ ROW = 4096  # elements reduced together first: the rows side by side, then their
 
 class SummaryBatch:
     """Device statistics of many tensors, taken together and queued without waiting for them (a
-    read-back a value would stall the step). Each tensor is copied, as float32, into a staging buffer
-    on its device at the start of a row of ROW elements, NaN after it in its last row (one larger
-    than the buffer goes in as pieces of a buffer each); when the buffer is full its rows are
-    reduced at once, and when the summaries are taken every row reduced since is combined, in
+    read-back a value would stall the step). Each tensor's rows of ROW elements are reduced into a
+    table of [rows, 7] float32, and when the summaries are taken every row since is combined, in
     float64, into each tensor's: the sum, sum of squares and sum of absolute values of its finite
-    values, their min and max, and its NaN and Inf counts (TensorStats.from_summary). Taken a tensor
-    at a time they were a compiled call each, 0.5 ms of the step's thread (2.7 of 4.5 s in 40 steps
-    of a 4-layer HF Llama on an H100, py-spy), or twenty eager kernels; the logits, larger than the
-    buffer and so taken alone, were 40 eager passes over them a step; combined at each reduction
-    (20 a step), a dozen small kernels and two page-locked copies each, 1 ms of the step's thread.
-    `fused`: the rows reduced by one kernel that torch.compile makes on first use (seconds, once: the
-    row count is dynamic), else a dozen eager kernels. float64 tensors are reduced alone, in float64.
+    values, their min and max, and its NaN and Inf counts (TensorStats.from_summary).
+
+    `fused` (from a training loop's second step: the kernel's compilation, about a second a dtype,
+    pays off over a loop, not in a run of one step): each tensor is reduced where it lies, in its own
+    dtype, by one Triton kernel (device_kernels.py). Otherwise, or without Triton, each is copied as
+    float32 into a staging buffer of `rows` rows, NaN after it in its last row (one larger goes in as
+    pieces of a buffer each), and the buffer's rows are reduced by a dozen eager kernels when it is
+    full. float64 tensors are reduced alone, in float64. Taken a tensor at a time, each tensor was
+    twenty eager kernels or a compiled call of 0.5 ms of the step's thread (py-spy, a 4-layer HF
+    Llama on an H100); staged, its copy read and wrote every element once more and cost three
+    launches (the slice, copy and fill) where the kernel costs one.
 
     Nothing here waits for the device: the host's part (which rows are whose) is copied from
     page-locked memory behind the step's kernels (_queued), and nothing is indexed by a Python list
@@ -158,15 +160,18 @@ class SummaryBatch:
     def __init__(self, rows: int = 8192):  # 32M elements: 128 MiB of float32
         self.rows = rows
         self.fused = False
-        self._buffer: Optional[torch.Tensor] = None
+        self._buffer: Optional[torch.Tensor] = None  # staged rows
         self._used = 0  # rows of the buffer holding pieces not yet reduced
         self._staged = 0  # pieces in the buffer not yet reduced (an empty one holds no row)
+        self._table: Optional[torch.Tensor] = None  # [rows, 7]: the rows reduced where they lie
+        self._filled = 0  # rows of the table written
         self._reduced: list[torch.Tensor] = []  # [rows, 7] statistics of every row reduced since the last take
         self._pieces: list[tuple[int, int, int]] = []  # (tensor, elements, rows) of each piece, in row order
         self._tensors = 0  # added since the last take
 
     def add(self, tensor: torch.Tensor) -> None:
-        x = tensor.detach().reshape(-1)
+        """A detached tensor (the writer's)."""
+        x = tensor.reshape(-1)
         if not x.is_floating_point():
             x = x.double()
         owner, self._tensors = self._tensors, self._tensors + 1
@@ -176,6 +181,8 @@ class SummaryBatch:
             self._reduced.append(_row_stats(torch.nn.functional.pad(x, (0, rows * ROW - n), value=math.nan)
                                             .view(rows, ROW)))
             self._pieces.append((owner, n, rows))
+            return
+        if self.fused and x.is_cuda and self._reduce_in_place(owner, x):
             return
         size = self.rows * ROW
         if x.numel() <= size:  # most: one piece, the tensor itself (a slice costs the step's thread)
@@ -193,10 +200,34 @@ class SummaryBatch:
             return None
         return _summaries(torch.cat(reduced).double(), pieces, count)
 
+    def _reduce_in_place(self, owner: int, x: torch.Tensor) -> bool:
+        """x's rows into the table by the Triton kernel; False where there is none (it stages them)."""
+        reduce = _kernel()
+        if reduce is None:
+            return False
+        if self._staged or self._buffer is not None:
+            self._reduce()  # rows in order; and the staging buffer, of no more use, given back
+            self._buffer = None
+        rows = -(-x.numel() // ROW)
+        if self._table is not None and (self._table.device != x.device or self._filled + rows > self._table.shape[0]):
+            self._reduce()
+            self._table = None  # rows too many for it, even with none written yet (empty tensors before)
+        if self._table is None:
+            self._table = torch.empty(max(self.rows, rows), 7, dtype=torch.float32, device=x.device)
+        try:
+            reduce(x, self._table, self._filled)
+        except Exception as error:  # a Triton that cannot compile here: the same values, staged
+            _give_up(error)
+            return False
+        self._pieces.append((owner, x.numel(), rows))
+        self._filled += rows
+        return True
+
     def _stage(self, owner: int, x: torch.Tensor) -> None:
         n = x.numel()
         rows = -(-n // ROW)
-        if self._buffer is not None and (self._buffer.device != x.device or self._used + rows > self.rows):
+        if self._filled or (self._buffer is not None and (self._buffer.device != x.device
+                                                          or self._used + rows > self.rows)):
             self._reduce()
         if self._buffer is None or self._buffer.device != x.device:
             self._buffer = torch.empty(self.rows * ROW, dtype=torch.float32, device=x.device)
@@ -209,12 +240,14 @@ class SummaryBatch:
         self._staged += 1
 
     def _reduce(self) -> None:
+        """The table's rows, or the staged rows reduced (one of them holds rows at a time), onto _reduced."""
+        if self._filled:
+            self._reduced.append(self._table[:self._filled])
+            self._table, self._filled = None, 0
         if not self._staged:
             return
-        # Two rows at least: the compiled kernel's row count is dynamic from 2 (one would compile anew).
-        rows = self._buffer.view(self.rows, ROW)[:max(self._used, min(2, self.rows))]
-        per_row = _fused_rows(rows) if self.fused else None
-        self._reduced.append((_row_stats(rows) if per_row is None else per_row)[:self._used])
+        rows = self._buffer.view(self.rows, ROW)[:self._used]
+        self._reduced.append(_row_stats(rows))
         self._used = self._staged = 0
 
 
@@ -261,21 +294,19 @@ def _queued(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return host.pin_memory().to(device, non_blocking=True)
 
 
-_compiled: Union[Callable, None, bool] = None  # _row_stats compiled on first use; False: it would not
+_loaded: Union[Callable, None, bool] = None  # device_kernels' reduce once loaded; False: none here
 
 
-def _fused_rows(rows: torch.Tensor) -> Optional[torch.Tensor]:
-    """_row_stats by one kernel that torch.compile makes once (the row count dynamic, from 2), or
-    None where it cannot be compiled (the caller takes them eagerly)."""
-    global _compiled
-    if _compiled is False:
-        return None
-    try:
-        if _compiled is None:
-            _compiled = torch.compile(_row_stats, dynamic=False, fullgraph=True)
-        torch._dynamo.mark_dynamic(rows, 0)
-        return _compiled(rows)
-    except Exception as error:  # no Triton, no compiler: the same values, eagerly
-        warnings.warn(f"megalign: device statistics are taken eagerly, torch.compile failed ({error})")
-        _compiled = False
-        return None
+def _kernel() -> Optional[Callable]:
+    global _loaded
+    if _loaded is None:
+        from megalign.dump import device_kernels  # Triton: imported where a device's statistics are taken
+
+        _loaded = device_kernels.load() or False
+    return _loaded or None
+
+
+def _give_up(error: Exception) -> None:
+    global _loaded
+    warnings.warn(f"megalign: device statistics are staged, the Triton kernel failed ({error})")
+    _loaded = False

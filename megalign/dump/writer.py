@@ -43,7 +43,7 @@ class RankWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.coords = coords
         self.stats_only = stats_only
-        # Device statistics, taken together; through a compiled kernel once worth it (over many steps).
+        # Device statistics, taken together; through a Triton kernel once worth it (over many steps).
         self.summaries = SummaryBatch()
         self.filter = re.compile(name_filter) if name_filter else None
         self.flush_bytes = flush_bytes

@@ -56,12 +56,13 @@ def test_a_sign_flip_changes_the_summary():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (bench/gpu.sh runs it)")
 @pytest.mark.parametrize("fused", [False, True])
 def test_on_a_device_the_summaries_read_back_as_the_cpu_statistics(fused):
-    """Eagerly, and through the compiled kernel, with a NaN and an Inf in a bf16 tensor."""
+    """Staged, and reduced where they lie by the Triton kernel, with a NaN and an Inf in a bf16 tensor;
+    one larger than the buffer (or the kernel's table) right after an empty one."""
     x = torch.randn(100_003, generator=torch.Generator().manual_seed(2)).bfloat16()
     x[10], x[99_999] = math.nan, -math.inf
     larger = torch.randn(300_001, generator=torch.Generator().manual_seed(4))  # 74 rows: in two pieces
     larger[-1] = math.nan
-    tensors = [*CASES.values(), x, larger, *CASES.values()]
+    tensors = [*CASES.values(), larger, x, *CASES.values()]
     for ours, cpu in zip(summaries([t.cuda() for t in tensors], rows=64, fused=fused), tensors):
         assert ours == pytest.approx(TensorStats.of(cpu).to_dict(), rel=1e-5, nan_ok=True)
 
@@ -70,7 +71,7 @@ def test_on_a_device_the_summaries_read_back_as_the_cpu_statistics(fused):
 def test_on_a_device_a_stats_only_step_never_waits_for_the_device(tmp_path, monkeypatch):
     """The step's thread never waits for the GPU (a wait at each reduction stalled the queue 20 times a
     step): with torch's sync debug mode at "error", stats-only steps of a small model raise nothing,
-    eager (step 0) and through the compiled kernel (step 2; compiled in step 1), with a buffer of two
+    staged (step 0) and through the Triton kernel (step 2; compiled in step 1), with a buffer of two
     rows and a read-back every 4 tensors, so that reductions and read-backs happen inside the steps;
     an empty output among them. The dump holds every tensor with its statistics."""
     import megalign
