@@ -415,7 +415,7 @@ class Dumper:
 
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
-        floats = [precision_name(r.dtype) for r in self.records if precision_name(r.dtype)]
+        floats = list(filter(None, map(precision_name, {record.dtype for record in self.records})))
         # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
         # must not loosen every tensor to bf16 (a 10% error passed).
         dtype = max(floats, key=PRECISIONS.index, default="fp32")

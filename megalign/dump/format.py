@@ -54,8 +54,16 @@ def write_json_atomic(path: Path, payload: dict, indent: Optional[int] = 1) -> N
     """Write to a temporary file beside `path`, then rename: readers see all of it or nothing.
     `indent=None`: compact, through json's C encoder (a manifest of 1,600 records took 0.12 s
     indented, measured: as much as a small model's training step)."""
+    write_text_atomic(path, json.dumps(payload, indent=indent, separators=None if indent else COMPACT))
+
+
+COMPACT = (",", ":")  # json's separators of a compact file
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """write_json_atomic's way, for text made already."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(payload, indent=indent, separators=None if indent else (",", ":")))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

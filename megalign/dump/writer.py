@@ -10,6 +10,7 @@ the device, within a room there that the run waits on when the disk falls behind
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -20,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from megalign.dump.format import (FORMAT, MANIFEST, VERSION, Kind, RankCoords, TensorRecord, dtype_name,
-                                            rank_dirname, write_json_atomic)
+from megalign.dump.format import (COMPACT, FORMAT, MANIFEST, VERSION, Kind, RankCoords, TensorRecord, dtype_name,
+                                  rank_dirname, write_text_atomic)
 from megalign.dump.sharding import Sharding
 from megalign.dump.staging import PinnedStaging
 from megalign.dump.stats import SummaryBatch, TensorStats
@@ -59,6 +60,11 @@ class RankWriter:
         self._summarized: list[TensorRecord] = []
         self._unless_zero: list[TensorRecord] = []
         self._stats: list[Future] = []
+        # Each record's manifest entry, as JSON, made by the writing thread that finished the record
+        # (its statistics read back, its file hashed), by its order; the rest are made at close.
+        # Made at close, they were 9 us a record there (2 cores): a stats-only step of 376 tensors
+        # cost 3.4 ms more at close.
+        self._entries: dict[int, str] = {}
         self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="megalign-writer")
         self._local = threading.local()  # each writing thread's own pinned buffers: .staging
         self._error: Optional[BaseException] = None  # the first error a writing thread met
@@ -117,10 +123,13 @@ class RankWriter:
         zero = {id(record) for record in self._unless_zero if record.stats.all_zero}
         self.records = [record for record in self.records if id(record) not in zero]  # orders kept, gaps and all
         self.bytes_written = sum(done.result() for done in self._files)
-        write_json_atomic(self.dir / MANIFEST, {
+        head = json.dumps({
             "format": FORMAT, "version": VERSION, "rank": self.coords.rank, "tp_rank": self.coords.tp_rank,
             "cp_rank": self.coords.cp_rank, "pp_rank": self.coords.pp_rank, "dp_rank": self.coords.dp_rank,
-            "bytes": self.bytes_written, "tensors": [r.to_dict() for r in self.records], **(extra or {})}, indent=None)
+            "bytes": self.bytes_written}, separators=COMPACT)
+        tensors = ",".join(self._entries.get(record.order) or _entry(record) for record in self.records)
+        tail = json.dumps(extra or {}, separators=COMPACT)[1:-1]
+        write_text_atomic(self.dir / MANIFEST, f'{head[:-1]},"tensors":[{tensors}]{"," if tail else ""}{tail}}}')
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -134,7 +143,7 @@ class RankWriter:
             host.copy_(rows, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-            self._stats.append(self._pool.submit(_fill_stats, records, host, ready))
+            self._stats.append(self._pool.submit(self._fill_stats, records, host, ready))
 
     def _current_file(self) -> str:
         return f"tensors-{len(self._files):05d}.safetensors"
@@ -160,6 +169,7 @@ class RankWriter:
                                          self._local.staging.pieces)
             for record, _, _ in pending:
                 record.hash = hashes[record.key]
+                self._entries[record.order] = _entry(record)
             return written
         except BaseException as e:  # noqa: B036 - handed to the run's thread, which raises it
             self._error = self._error or e
@@ -213,8 +223,14 @@ class RankWriter:
             self._on_device += tensor.nbytes
             return True
 
+    def _fill_stats(self, records: tuple[TensorRecord, ...], rows: torch.Tensor, ready: torch.cuda.Event) -> None:
+        """In a writing thread: the records' statistics, read back, and their manifest entries."""
+        ready.synchronize()
+        for record, row in zip(records, rows.tolist()):
+            record.stats = TensorStats.from_summary(math.prod(record.shape), row)
+            self._entries[record.order] = _entry(record)
 
-def _fill_stats(records: tuple[TensorRecord, ...], rows: torch.Tensor, ready: torch.cuda.Event) -> None:
-    ready.synchronize()
-    for record, row in zip(records, rows.tolist()):
-        record.stats = TensorStats.from_summary(math.prod(record.shape), row)
+
+def _entry(record: TensorRecord) -> str:
+    """A record's manifest entry, compact JSON."""
+    return json.dumps(record.to_dict(), separators=COMPACT)
