@@ -300,9 +300,11 @@ _loaded: Union[Callable, None, bool] = None  # device_kernels' reduce once loade
 def _kernel() -> Optional[Callable]:
     global _loaded
     if _loaded is None:
-        from megalign.dump import device_kernels  # Triton: imported where a device's statistics are taken
-
-        _loaded = device_kernels.load() or False
+        try:  # Triton: imported where a device's statistics are taken
+            from megalign.dump.device_kernels import reduce_rows
+        except ImportError:
+            reduce_rows = False
+        _loaded = reduce_rows
     return _loaded or None
 
 
