@@ -28,7 +28,7 @@ def _combine(sum_a, sq_a, abs_a, low_a, high_a, nan_a, finite_a,
 
 
 # The seven reductions in one (tl.reduce of a tuple): 2.66 TB/s on an H100's float32, 93% of torch's
-# sum, and 1.25 on bfloat16; seven tl.sum and tl.min apart, 2.07 and 0.85 (prof/kbench.py, one call).
+# sum, and 1.25 on bfloat16; seven tl.sum and tl.min apart, 2.07 and 0.85 (one H100 call, docs/gpu.md).
 # Not specialised on the sizes (Triton would compile anew for each of 1, multiples of 16 and the rest).
 @triton.jit(do_not_specialize=["numel", "first"])
 def _row_stats(x, numel, table, first, ROW: tl.constexpr):  # pragma: no cover - runs on a device
