@@ -5,12 +5,18 @@ gradients and the parameters, each step) and stats-only. Prints ratios to the lo
 Dumper only (the median of the rounds, modes interleaved), never times: those say only what this
 machine did. Issue 20's bar: a full dump at most 1.5x on the CPU and 1.2x on a GPU; stats-only 1.05x.
 
-Each loop's first step is untimed, as a training run's first is (the Dumper compiles its device
-statistics there); the timed steps end with the Dumper's close() (the writing threads done, the dump
-landed); the dump is removed afterwards, untimed. The MiB a full dump writes a step say how far the
-disk bounds it.
+Two ratios a mode: `step`, the median step (each step timed alone, the device synchronised around
+it), and `loop`, the timed steps and the Dumper's close() together (the writing threads done, the
+dump landed). Each loop's first step is untimed, as a training run's first is (the Dumper compiles
+its device statistics there); the dump is removed afterwards, untimed.
 
-usage: python bench/bench_trainer.py [--device cuda] [--steps 4] [--rounds 3] [--hidden H --layers L ...]
+A full dump writes every tensor, and the disk bounds it: after the rounds the same bytes are written
+once more as one plain sequential write into the same folder (from one host buffer, into the page
+cache as the dump's files are), and `bound` is the full loop against the loop without the Dumper
+plus that write: 1.00x is a Dumper that costs nothing but the disk's time.
+
+usage: python bench/bench_trainer.py [--device cuda] [--steps 4] [--rounds 3] [--modes full,stats-only]
+                                     [--hidden H --layers L --vocab V --batch B --seq S]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from megalign.dump.dumper import NullDumper
 SIZES = {"cpu": dict(hidden=128, layers=2, vocab=1024, batch=4, seq=64),
          "cuda": dict(hidden=1024, layers=8, vocab=32000, batch=8, seq=1024)}
 MODES = {"full": dict(params=True), "stats-only": dict(stats_only=True)}
+CHUNK = 64 << 20  # the plain write's pieces
 
 
 def step(model, optimizer, ids: torch.Tensor, dumper, n: int) -> None:
@@ -46,28 +53,50 @@ def step(model, optimizer, ids: torch.Tensor, dumper, n: int) -> None:
     optimizer.zero_grad()
 
 
-def timed(model, optimizer, batches, mode: str, folder: Path) -> tuple[float, int]:
-    """Seconds of the loop's steps after the first, and the dump's close (its files written); the
-    first step is untimed, as a training run's first is (the Dumper compiles its device statistics
-    there). Also the bytes dumped a step."""
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(model, optimizer, batches, mode: str, folder: Path) -> tuple[float, float, int]:
+    """The median step after the first and the seconds of those steps and the dump's close (its
+    files written); the first step is untimed, as a training run's first is. Also the bytes dumped a
+    step."""
     out = folder / mode
     dumper = NullDumper() if mode == "off" else megalign.Dumper(out, **MODES[mode])
     dumper.watch(model)
     step(model, optimizer, batches[0], dumper, 0)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
+    synchronize()
+    steps = []
     for n, ids in enumerate(batches[1:], 1):
+        start = time.perf_counter()
         step(model, optimizer, ids, dumper, n)
+        synchronize()
+        steps.append(time.perf_counter() - start)
+    start = time.perf_counter()
     dumper.close()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    synchronize()
+    loop = sum(steps) + time.perf_counter() - start
     shutil.rmtree(out, ignore_errors=True)
     # Untimed: the kernel's writeback of a full dump's pages would otherwise run during the next loop
     # (stats-only 1.75x after a full loop, 1.3x on a quiet disk, hidden 128 on 2 cores).
     os.sync()
-    return seconds, dumper.bytes_written // len(batches)
+    return statistics.median(steps), loop, dumper.bytes_written // len(batches)
+
+
+def plain_write(folder: Path, size: int) -> float:
+    """Seconds to write `size` bytes as one sequential file into `folder`, as the dump's files go
+    (the page cache, no fsync); the file removed afterwards, and its pages written back, untimed."""
+    piece = memoryview(os.urandom(min(CHUNK, size)))
+    path = folder / "plain-write"
+    start = time.perf_counter()
+    with open(path, "wb") as file:
+        for at in range(0, size, CHUNK):
+            file.write(piece[:min(CHUNK, size - at)])
+    seconds = time.perf_counter() - start
+    path.unlink()
+    os.sync()
+    return seconds
 
 
 def main() -> None:
@@ -75,12 +104,16 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--steps", type=positive, default=4, help="steps a loop, the first untimed (at least 2)")
     parser.add_argument("--rounds", type=positive, default=3, help="timed loops of each mode (the median is used)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"the Dumper's modes timed, of {', '.join(MODES)}")
     for name in SIZES["cpu"]:
         parser.add_argument(f"--{name}", type=positive, help="default: by the device, " +
                             ", ".join(f"{d} {s[name]}" for d, s in SIZES.items()))
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps: at least 2 (the first is untimed)")
+    modes = args.modes.split(",")
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     size = {name: getattr(args, name) or default for name, default in SIZES[device].items()}
     config = LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=4 * size["hidden"],
@@ -90,21 +123,27 @@ def main() -> None:
     model = LlamaForCausalLM(config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batches = [torch.randint(0, size["vocab"], (size["batch"], size["seq"]), device=device) for _ in range(args.steps)]
-    seconds: dict[str, list[float]] = {mode: [] for mode in ("off", *MODES)}
-    dumped: dict[str, int] = {}
+    runs: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in ("off", *modes)}
     with tempfile.TemporaryDirectory(prefix="megalign-bench-trainer-") as folder:
         timed(model, optimizer, batches, "off", Path(folder))  # warm-up: allocator, kernels, page cache
         for _ in range(args.rounds):
-            for mode in seconds:
-                took, dumped[mode] = timed(model, optimizer, batches, mode, Path(folder))
-                seconds[mode].append(took)
-    off = statistics.median(seconds["off"])
+            for mode in runs:
+                runs[mode].append(timed(model, optimizer, batches, mode, Path(folder)))
+        full_bytes = runs["full"][0][2] * (args.steps - 1) if "full" in runs else 0
+        write = statistics.median(plain_write(Path(folder), full_bytes) for _ in range(args.rounds)) if full_bytes else 0
+    step_off, loop_off = (statistics.median(run[i] for run in runs["off"]) for i in (0, 1))
     print(f"bench_trainer: LlamaForCausalLM hidden {size['hidden']}, {size['layers']} layers, vocab {size['vocab']}, "
           f"batch {size['batch']}x{size['seq']}, {args.steps} steps (the first untimed), on {device}; median of "
           f"{args.rounds} rounds")
-    for mode in MODES:
-        print(f"  {mode:<10} / off: {statistics.median(seconds[mode]) / off:.2f}x   "
-              f"({dumped[mode] / 2**20:.0f} MiB dumped a step)")
+    for mode in modes:
+        step_ratio, loop_ratio = (statistics.median(run[i] for run in runs[mode]) / off
+                                  for i, off in ((0, step_off), (1, loop_off)))
+        bound = (f"   bound {statistics.median(run[1] for run in runs[mode]) / (loop_off + write):.2f}x"
+                 if mode == "full" else "")
+        print(f"  {mode:<10} / off: step {step_ratio:.2f}x   loop {loop_ratio:.2f}x{bound}   "
+              f"({runs[mode][0][2] / 2**20:.0f} MiB dumped a step)")
+    if full_bytes:
+        print(f"  the plain write of a full loop's bytes / the loop without the Dumper: {write / loop_off:.2f}x")
 
 
 if __name__ == "__main__":

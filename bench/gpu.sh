@@ -8,6 +8,8 @@
 #   QUICK=1 DEVICE=cpu bash bench/gpu.sh  (a dry run of the script itself on a CPU, tiny model only)
 #   STAGE=runs, then STAGE=bench          (two calls on one machine, each within a call's time limit:
 #                                          the bench stage reads the dumps the runs stage left)
+#   STAGE=trainer                         (one call: the Dumper in a user's loop, bench_trainer.py at two widths,
+#                                          and the Dumper's device tests)
 #   STAGE=scale                           (one call on its own: the 8B-wide model, bench/llama-8b-wide.yaml,
 #                                          2x2048 tokens, bf16 and fp32 backward with full dumps, a stats-only
 #                                          run and their compare; bench/scale_figures.py prints the figures)
@@ -78,6 +80,25 @@ vocab = ModelConfig.from_yaml('$cfg').vocab_size; print(json.dumps([[r.randrange
   expect "bench-compare-scale" 0 python3 bench/bench_compare.py --dumps "$s/bf16" "$s/fp32" --once
   python3 bench/scale_figures.py "$s" "$LOGS/walls.txt" "$LOGS/bench-compare-scale.log" | tee "$OUTDIR/scale.txt"
   cp "$LOGS"/scale-*.log "$OUTDIR"/ 2>/dev/null
+  echo "== results"; cat "$RESULTS"
+  ! grep -q FAILED "$RESULTS"
+  exit
+fi
+
+# The trainer stage: what the Dumper costs a user's loop (bench_trainer.py) at the width measured so far
+# (hidden 1024) and at an 8B model's (hidden 4096: its full dump of two layers alone is about 10 GiB a
+# step), and the Dumper's device tests. QUICK=1: the smallest model, a dry run of the stage itself.
+if [ "$STAGE" = trainer ]; then
+  bt="python3 bench/bench_trainer.py --device $DEVICE"
+  narrow="--hidden 1024 --layers 4 --batch 4 --seq 512"; wide="--hidden 4096 --batch 2 --seq 2048"
+  [ -n "${QUICK:-}" ] && { narrow="--hidden 64 --layers 1 --vocab 256 --batch 2 --seq 16"; wide=$narrow; }
+  expect "pytest-device-dumper" 0 python3 -m pytest -q -p no:cacheprovider tests/unit/test_stats.py \
+    tests/compare/test_fast_paths.py -k device
+  expect "bench-trainer-1024" 0 $bt $narrow --steps 6 --rounds 3
+  expect "bench-trainer-4096-stats-only" 0 $bt $wide --layers 4 --steps 5 --rounds 3 --modes stats-only
+  expect "bench-trainer-4096-full" 0 $bt $wide --layers 2 --steps 2 --rounds 1 --modes full
+  for f in "$LOGS"/bench-trainer-*.log "$LOGS"/pytest-*.log; do echo "--- $(basename "$f")"; tail -n 12 "$f"; done \
+    | tee "$OUTDIR/bench.txt"
   echo "== results"; cat "$RESULTS"
   ! grep -q FAILED "$RESULTS"
   exit
