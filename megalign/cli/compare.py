@@ -160,7 +160,7 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     except UserError as e:
         fail(str(e), e.exit_code)
     with reader_may_leave():
-        for side, path, source in (("A", a, source_a), ("B", b, source_b), ("R", reference, source_r)):
+        for side, path, source in (("A", a, report.a), ("B", b, report.b), ("R", reference, source_r)):
             if source is not None:
                 console.print(f"[bold]{side}[/] {escape(str(path))}: {escape(source.description)}"
                               + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)

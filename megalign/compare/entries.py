@@ -86,6 +86,8 @@ class Entry:
     # Set where `load(buffer=..., window=...)` can place the tensor, or a box of it (a Window), in a
     # caller's buffer (reassemble.py): the tensor's size in bytes.
     nbytes: Optional[int] = None
+    # The training step it was dumped in, where the format records steps (a Dumper's; compare/steps.py).
+    step: Optional[int] = None
     # megalign dumps: the rank records it is put together from (plan.Shard), for the Python API's
     # Dump.shards() and --explain; typed loosely so that this module and plan.py need not import each other.
     shards: Optional[list] = None
@@ -112,6 +114,8 @@ class Source:
     # Why its rows were not recorded (a Dumper's rows_unknown): its token tensors are set apart
     # where their shapes differ from the other side's (lineup.py).
     rows_unknown: Optional[str] = None
+    # The training steps it holds, where the format records them (dump.json's steps: a Dumper's).
+    steps: Optional[list[int]] = None
 
 
 def phase(kind: Optional[str]) -> int:

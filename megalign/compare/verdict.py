@@ -31,6 +31,7 @@ from megalign.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetri
                                                 tensor_metrics)
 from megalign.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.compare.scale import KindScale, Scale, check_kinds, check_scale
+from megalign.compare.steps import share_steps
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
 from megalign.dump.format import PRECISIONS
 from megalign.dump.stats import TensorStats
@@ -145,12 +146,15 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     """Compare every tensor of the two sources; NothingCompared when not one pair was compared.
     With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds.
     `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
+    a, b = share_steps(a, b)  # a training loop's dumps: the steps both hold
     a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
     pattern = compile_pattern("--filter", name_filter) if name_filter else None
     skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None
     missable = compile_pattern("--allow-missing", allow_missing) if allow_missing else None
     matched = match_entries(a, b)
     pairs = [p for p in matched if pattern is None or pattern.search(p.name)]
+    if not matched:
+        raise NothingCompared("A and B hold no tensor: nothing compared")
     if not pairs:
         raise NothingCompared(f"--filter {name_filter!r} matches none of the {len(matched)} tensors: nothing compared")
     if reference is not None:
@@ -386,7 +390,9 @@ class _Comparison:
         m = row.metrics
         diverged = not (m.rel_diff <= row.threshold)  # NaN compares false: diverged
         if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
-            where = "at different positions or signs" if m.nonfinite_mismatch else "at the same positions on both sides"
+            where = ("at different positions or signs" if m.nonfinite_mismatch else
+                     "counted alike (statistics only: their positions and signs are not recorded)"
+                     if isinstance(m, StatsMetrics) else "at the same positions on both sides")
             row.notes.append(f"NaN/Inf {where}: A {m.nan_a} NaN {m.inf_a} Inf, B {m.nan_b} NaN {m.inf_b} Inf")
         r = self.in_reference.get((pair.kind, pair.name))
         if r is not None and x.tensor is not None and y.tensor is not None:

@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
 import sys
 import time
+import warnings
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
@@ -87,13 +90,13 @@ class Dumper:
         self._choice = choose_steps(steps)
         self._params = params
         self._writing = self._choice.all  # outside a step block: only when every step is wanted
-        self.out = Path(out)
+        self.out = Path(out).absolute()  # the program may change its working folder before close()
         self.coords, self.layout, self._dp_ranks = _place(dp_group)
         self._world = self.layout.world_size
         self._landing = contextlib.ExitStack()  # holds the claimed staging folder until close()
         if claim:
             def claim_out() -> None:
-                check_out(self.out, overwrite)
+                check_out(self.out, overwrite, flag="Dumper out")
                 self._landing.enter_context(staged(self.out, overwrite))
 
             self._on_rank_zero(claim_out)
@@ -102,6 +105,7 @@ class Dumper:
         self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks: list = []
+        self._hooked: set[int] = set()  # the modules whose outputs are watched
         self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
         # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
         # padded rows where watch() was given seq_dim; every DP rank's, gathered at close (rows.py).
@@ -114,6 +118,10 @@ class Dumper:
         self._steps: list[int] = []
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
         self._closed = False
+        if claim:
+            # A Dumper the program never closes writes nothing: said at the latest when the program
+            # ends, and its staging folder removed (megalign's own runs, claim=False, land theirs).
+            self._unclosed = weakref.finalize(self, _never_closed, str(out), self._landing)
 
     @classmethod
     def from_env(cls, **options) -> Union["Dumper", "NullDumper"]:
@@ -150,6 +158,7 @@ class Dumper:
         its local piece lies (dtensor.py). `module`: the module that made it, if any. `stable`: the
         tensor will not change before close() (a parameter gradient after the step), so it is
         written from where it is, not copied."""
+        self._check_open("add")
         self._record(kind, name, tensor, sharding, module=module, stable=stable)
 
     def _record(self, kind: str, name: str, tensor: torch.Tensor, sharding: Optional[Sharding] = None, *,
@@ -219,7 +228,10 @@ class Dumper:
         process_group must be the Dumper's DP group: `dp_group`); FSDP2 and tensor parallel's
         DTensors are placed by their placements. Pipeline stages (`dp_group`) keep the whole model's
         module names. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
-        megalign.Sharding). A refusal aborts the Dumper: no staging folder is left behind."""
+        megalign.Sharding). A module watched already is refused (its tensors would be dumped twice).
+        Outputs are tensors, or tuples and lists of them; a dict's values (a ModelOutput's) are not
+        read: add() them. A refusal aborts the Dumper: no staging folder is left behind."""
+        self._check_open("watch")
         try:
             self._watch(module, prefix, batch_dim, outputs, cp_split, seq_dim)
         except Exception:
@@ -268,6 +280,11 @@ class Dumper:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
         self._cp_split = cp_split
         layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim, seq_dim)
+        hooked = {id(sub) for path, sub in module.named_modules() if path}
+        if hooked & self._hooked:
+            raise ValueError("watch(): this model, or a module in it, is watched already: its outputs would be "
+                             "dumped twice")
+        self._hooked |= hooked
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 continue
@@ -344,7 +361,13 @@ class Dumper:
         parameter gradients are dumped (`.grad`, or megatron DDP's `main_grad`, gathered from every
         rank's shard under the distributed optimizer), with `params=True` the parameters too, and
         dump.json records `n`. End the block after the gradients are final (megatron-core:
-        after finalize_model_grads) and before the optimizer step."""
+        after finalize_model_grads) and before the optimizer step. A block that raises leaves its
+        step out of the dump, with a warning (a loop that skips a step after an error goes on);
+        steps do not nest."""
+        n = _step_number(n)
+        self._check_open("step")
+        if self._step_now is not None:
+            raise RuntimeError(f"step({n}) inside step({self._step_now}): steps do not nest")
         outside, outside_step = self._writing, self._step_now
         self._writing, self._step_now = self._choice.wants(n), n
         # From the second step on, device statistics go through a Triton kernel: its compilation
@@ -354,11 +377,29 @@ class Dumper:
             self._marks.append([n, len(self.records)])
         try:
             yield
+        except BaseException as error:
+            if self._writing:
+                self._drop_step(n, error)
+            raise
+        else:
             if self._writing:
                 self._dump_parameters()
                 self._steps.append(n)
         finally:
             self._writing, self._step_now = outside, outside_step
+
+    def _drop_step(self, n: int, error: BaseException) -> None:
+        """Leave out step n, whose block raised: its records, its mark and its rows. Kept, its
+        tensors would stand under the step before it in the dump (compare lines up records by step)."""
+        first = self._marks.pop()[1]
+        self._writer.discard_from(first)
+        self._row_log.by_step.pop(n, None)
+        warnings.warn(f"megalign.Dumper: step {n} raised {type(error).__name__}: it is left out of the dump "
+                      f"({len(self.records) - first} tensors)", stacklevel=4)
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"megalign.Dumper({str(self.out)!r}) is closed: what {call}() is given would be lost")
 
     def _dump_parameters(self) -> None:
         names = {id(param): name for name, param in self._watched.items()}
@@ -388,6 +429,7 @@ class Dumper:
         if self._closed:
             return
         self._closed = True
+        self._forget_unclosed()
         self._unhook()
         self._writer.close({**(manifest or {}), "steps": self._marks} if self._marks else manifest)
         if self._world > 1:
@@ -429,10 +471,15 @@ class Dumper:
         if self._closed:
             return
         self._closed = True
+        self._forget_unclosed()
         self._unhook()
         with contextlib.suppress(Exception):  # the error being handled is the one to report
             self._writer.close()
         self._landing.__exit__(RuntimeError, RuntimeError("aborted"), None)
+
+    def _forget_unclosed(self) -> None:
+        if hasattr(self, "_unclosed"):
+            self._unclosed.detach()
 
     def __enter__(self) -> "Dumper":
         return self
@@ -535,6 +582,25 @@ def _rank_zero_says(message: Optional[str]) -> Optional[str]:
     if not said[0]:
         return None
     return bytes(said[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def _never_closed(out: str, landing: contextlib.ExitStack) -> None:
+    """A Dumper collected, or the program ending, before close() or abort(): said, and its staging
+    folder removed (rank 0's landing holds it)."""
+    warnings.warn(f"megalign.Dumper({out!r}) was never closed: nothing was written (call close(), or use the "
+                  "Dumper in a with block)", stacklevel=2)
+    with contextlib.suppress(Exception):
+        landing.__exit__(RuntimeError, RuntimeError("never closed"), None)
+
+
+def _step_number(n) -> int:
+    """A step's number: an int, or what stands for one (numpy's integers, a one-element integer tensor)."""
+    if isinstance(n, bool):
+        raise TypeError(f"step(n): n is the step's number, got {n!r}")
+    try:
+        return operator.index(n)
+    except TypeError:
+        raise TypeError(f"step(n): n is the step's number, got {n!r}") from None
 
 
 class NullDumper:

@@ -38,6 +38,10 @@ def aside_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.megalign-replaced-{os.getpid()}")
 
 
+# How each folder that may replace a megalign dump is told to: megalign's --out, and a Dumper's out.
+REPLACE_WITH = {"--out": "--overwrite", "Dumper out": "overwrite=True"}
+
+
 def check_out(out: Path, overwrite: bool, flag: str = "--out") -> None:
     """Refuse, before anything starts, an --out that cannot be written or must not be replaced. The same
     rules hold for every folder a run lands (--save's checkpoint: `flag` names the option in messages)."""
@@ -69,8 +73,9 @@ def _check_out(out: Path, overwrite: bool, flag: str) -> None:
         raise UserError(f"{flag} {out}: {staging} exists and is not a folder; move it away")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise UserError(f"{flag} {out} exists and is not empty; " + ("pass --overwrite to replace it (only a "
-                            "megalign dump is ever replaced)" if flag == "--out" else "give a new or empty folder"))
+            replace = REPLACE_WITH.get(flag)
+            raise UserError(f"{flag} {out} exists and is not empty; " + (f"pass {replace} to replace it (only a "
+                            "megalign dump is ever replaced)" if replace else "give a new or empty folder"))
         check_replaceable(out)
 
 

@@ -46,10 +46,15 @@ def choose_steps(steps: Steps, where: str = "steps") -> StepChoice:
         return StepChoice()
     if text.startswith("every:"):
         k = text.removeprefix("every:")
-        if not k.isdigit() or int(k) < 1:
+        if not _whole(k) or int(k) < 1:
             raise UserError(f"{where}: every:K needs a whole number K >= 1, got {steps!r}")
         return StepChoice(every=int(k))
     parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() for part in parts):
+    if not all(map(_whole, parts)):
         raise UserError(f"{where}: expected all, a list like 1,2, or every:K, got {steps!r}")
     return StepChoice(listed=frozenset(int(part) for part in parts))
+
+
+def _whole(text: str) -> bool:
+    """Digits 0-9 only ("²" is a digit to str.isdigit, and int() refuses it)."""
+    return text.isascii() and text.isdigit()

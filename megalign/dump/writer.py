@@ -59,6 +59,7 @@ class RankWriter:
         # (one copy and one event each, filled in by a writing thread), the run never waiting on them.
         self._summarized: list[TensorRecord] = []
         self._unless_zero: list[TensorRecord] = []
+        self._left_out: set[int] = set()  # orders of records left out
         self._stats: list[Future] = []
         # Each record's manifest entry, as JSON, made by the writing thread that finished the record
         # (its statistics read back, its file hashed), by its order; the rest are made at close.
@@ -120,8 +121,8 @@ class RankWriter:
         for done in self._stats:
             done.result()
         self._raise()
-        zero = {id(record) for record in self._unless_zero if record.stats.all_zero}
-        self.records = [record for record in self.records if id(record) not in zero]  # orders kept, gaps and all
+        self._left_out.update(record.order for record in self._unless_zero if record.stats.all_zero)
+        self.records = [record for record in self.records if record.order not in self._left_out]  # orders kept, gaps and all
         self.bytes_written = sum(done.result() for done in self._files)
         head = json.dumps({
             "format": FORMAT, "version": VERSION, "rank": self.coords.rank, "tp_rank": self.coords.tp_rank,
@@ -130,6 +131,11 @@ class RankWriter:
         tensors = ",".join(self._entries.get(record.order) or _entry(record) for record in self.records)
         tail = json.dumps(extra or {}, separators=COMPACT)[1:-1]
         write_text_atomic(self.dir / MANIFEST, f'{head[:-1]},"tensors":[{tensors}]{"," if tail else ""}{tail}}}')
+
+    def discard_from(self, order: int) -> None:
+        """Leave out of the manifest every record from `order` on (a step that raised). Bytes of
+        theirs already in a file stay there, read by nothing."""
+        self._left_out.update(range(order, len(self.records)))
 
     def _raise(self) -> None:
         if self._error is not None:

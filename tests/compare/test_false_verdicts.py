@@ -14,6 +14,7 @@ from compare_fixtures import CP1, CP2, TP2, copy_dump
 from conftest import invoke
 from safetensors.torch import load_file, save_file
 
+import megalign
 from megalign.dump.tensorfile import content_hash
 
 
@@ -247,6 +248,19 @@ def test_nan_on_both_sides_is_a_warning_and_fails_when_strict(tmp_path):
     assert "NaN/Inf in both: tensor loss (failed (--strict-nonfinite))" in strict.output
     finite = invoke("compare", plain(tmp_path, "c", loss=BASE), plain(tmp_path, "d", loss=BASE), "--strict-nonfinite")
     assert finite.exit_code == 0 and "NaN/Inf in both" not in finite.output
+
+
+def test_stats_only_infinities_of_other_signs_are_said_to_be_unchecked_and_fail_when_strict(tmp_path):
+    """A stats-only dump counts Inf, no sign: +Inf against -Inf passed as 'at the same positions'."""
+    for name, value in (("plus", math.inf), ("minus", -math.inf)):
+        with megalign.Dumper(tmp_path / name, stats_only=True) as dumper:
+            dumper.add("loss", "loss", with_values(i2=value))
+    lenient = invoke("compare", tmp_path / "plus", tmp_path / "minus")
+    assert lenient.exit_code == 0, lenient.output
+    assert "NaN/Inf counted alike (statistics only: their positions and signs are not recorded)" in lenient.output
+    assert "NaN/Inf in both: loss loss (not failed)" in lenient.output
+    strict = invoke("compare", tmp_path / "plus", tmp_path / "minus", "--strict-nonfinite")
+    assert strict.exit_code == 1, strict.output
 
 
 def test_a_reference_of_another_model_or_seed_is_exit_2(dump):

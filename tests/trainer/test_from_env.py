@@ -104,7 +104,7 @@ def test_step_choices(text, chosen, skipped):
     assert choice.all == (text == "all") and choose_steps(choice) is choice
 
 
-@pytest.mark.parametrize("text", ["", "every:0", "every:x", "1,,2", "first", [1.5]])
+@pytest.mark.parametrize("text", ["", "every:0", "every:x", "1,,2", "first", "²", "every:²", [1.5]])
 def test_a_bad_step_choice_is_a_user_error(text):
     with pytest.raises(UserError, match="MEGALIGN_DUMP_STEPS"):
         choose_steps(text, "MEGALIGN_DUMP_STEPS")

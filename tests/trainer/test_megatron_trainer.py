@@ -50,6 +50,19 @@ def test_a_loss_divided_by_the_ranks_own_token_count_is_caught_at_the_loss(dumps
     assert "first divergence: loss step0/loss\n" in result.output
 
 
+def test_dumps_of_other_steps_are_compared_on_the_step_both_hold(dumps):
+    """Steps 1 and 2 against steps 0 and 1: step 1 is compared, the others set aside and said."""
+    result = invoke("compare", dumps["cp1"], dumps["cp1_early"])
+    assert result.exit_code == 0, result.output
+    assert "step 2 set aside (not in B)" in result.output and "step 0 set aside (not in A)" in result.output
+    assert "loss        step1/loss" in result.output and "step2/" not in result.output
+    # The failing twin: the CP=2 run with the loss bug, compared on the same shared step: step 0's
+    # wrong gradients have moved step 1's parameters already, and step 1's loss is off again.
+    result = invoke("compare", dumps["cp1"], dumps["cp2_bug"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param step1/" in result.output and "loss step1/loss;" in result.output
+
+
 CLIP = ("--clip", "1.5")  # the script's own clip: at both dumped steps some of the norms it sees exceed it
 
 

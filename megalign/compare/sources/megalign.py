@@ -35,23 +35,24 @@ def open_megalign(path: Path) -> Source:
 def _open(path: Path) -> Source:
     dump = Dump.open(path)
     groups: dict[tuple[str, str], list[Shard]] = {}
-    several = isinstance(dump.meta.get("steps"), list) and len(dump.meta["steps"]) > 1
-    steps: dict[tuple[str, str], tuple] = {}  # where a dump holds several steps: each entry's (step,)
+    dumped = _steps(dump.meta)
+    several = len(dumped) > 1
+    steps: dict[tuple[str, str], Optional[int]] = {}  # each entry's step, where the dump records steps
     rows: dict[tuple[str, str], Optional[list]] = {}  # where its steps' rows differ: each entry's step's
     for rank in dump.ranks:
         seen: Counter = Counter()
         for record in rank.records:
-            step = _step(rank.extra.get("steps"), record.order) if several else None
-            label = record.name if step is None else f"step{step}/{record.name}"
+            step = _step(rank.extra.get("steps"), record.order) if dumped else None
+            label = record.name if step is None or not several else f"step{step}/{record.name}"
             # A module called twice per step dumps its name twice: the repeats get @1, @2, ...
             repeat = seen[(record.kind, label)]
             seen[(record.kind, label)] += 1
             name = label if repeat == 0 else f"{label}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
-            steps[(record.kind, name)] = () if not several else (-1 if step is None else step,)
-            rows[(record.kind, name)] = dump.rows_at(step) if dump.step_rows else None
+            steps[(record.kind, name)] = step
+            rows[(record.kind, name)] = dump.rows_at(step if several else None) if dump.step_rows else None
     meta = dump.meta
-    entries = [_entry(dump, kind, name, shards, steps[(kind, name)], rows[(kind, name)])
+    entries = [_entry(dump, kind, name, shards, steps[(kind, name)], several, rows[(kind, name)])
                for (kind, name), shards in groups.items()]
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
@@ -60,7 +61,13 @@ def _open(path: Path) -> Source:
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
                   weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"),
-                  kernel=_kernel(meta, dump.layout), rows_unknown=meta.get("rows_unknown"))
+                  kernel=_kernel(meta, dump.layout), rows_unknown=meta.get("rows_unknown"), steps=dumped or None)
+
+
+def _steps(meta: dict) -> list[int]:
+    """The steps a Dumper's dump.json lists (none for a megalign run's)."""
+    steps = meta.get("steps")
+    return [n for n in steps if type(n) is int] if isinstance(steps, list) else []
 
 
 def _kernel(meta: dict, layout: Layout) -> str:
@@ -89,11 +96,15 @@ def _step(marks: Optional[list], order: int) -> Optional[int]:
     return found
 
 
-def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: tuple, rows: Optional[list]) -> Entry:
+def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: Optional[int], several: bool,
+           rows: Optional[list]) -> Entry:
+    """An entry of a dump; where it holds several steps, ordered by step first (outside any: -1)."""
     record = shards[0].record
     shape = full_shape(shards, dump.layout)
     itemsize = getattr(torch, record.dtype).itemsize
-    return Entry(kind=kind, name=name, order=step + _order(shards[0]), layer=record.layer, load=partial(reassemble, dump, shards),
+    order = ((-1 if step is None else step),) if several else ()
+    return Entry(kind=kind, name=name, order=order + _order(shards[0]), layer=record.layer, step=step,
+                 load=partial(reassemble, dump, shards),
                  shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
                  nbytes=None if record.file is None else math.prod(shape) * itemsize, shards=shards, rows=rows)
 
