@@ -146,7 +146,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     """Compare every tensor of the two sources; NothingCompared when not one pair was compared.
     With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds.
     `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
-    a, b = share_steps(a, b)  # a training loop's dumps: the steps both hold
+    a, b, reference = share_steps(a, b, reference)  # a training loop's dumps: the steps all hold
     a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
     pattern = compile_pattern("--filter", name_filter) if name_filter else None
     skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None

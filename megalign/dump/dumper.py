@@ -46,7 +46,7 @@ from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatr
 from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
                                   write_json_atomic)
-from megalign.dump.landing import check_out, staged, staging_dir
+from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
                                             output_sharding, packed_row, without_layout)
@@ -96,8 +96,8 @@ class Dumper:
         self._landing = contextlib.ExitStack()  # holds the claimed staging folder until close()
         if claim:
             def claim_out() -> None:
-                check_out(self.out, overwrite, flag="Dumper out")
-                self._landing.enter_context(staged(self.out, overwrite))
+                check_out(self.out, overwrite, flag=OUT)
+                self._landing.enter_context(staged(self.out, overwrite, flag=OUT))
 
             self._on_rank_zero(claim_out)
         self._folder = staging_dir(self.out) if claim else self.out  # where the ranks write
@@ -105,7 +105,7 @@ class Dumper:
         self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks: list = []
-        self._hooked: set[int] = set()  # the modules whose outputs are watched
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules whose outputs are watched (a model may go)
         self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
         # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
         # padded rows where watch() was given seq_dim; every DP rank's, gathered at close (rows.py).
@@ -118,10 +118,9 @@ class Dumper:
         self._steps: list[int] = []
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
         self._closed = False
-        if claim:
-            # A Dumper the program never closes writes nothing: said at the latest when the program
-            # ends, and its staging folder removed (megalign's own runs, claim=False, land theirs).
-            self._unclosed = weakref.finalize(self, _never_closed, str(out), self._landing)
+        # A Dumper the program never closes writes nothing: said at the latest when the program
+        # ends, and its staging folder removed (megalign's own runs, claim=False, land theirs).
+        self._unclosed = weakref.finalize(self, _never_closed, str(self.out), self._landing) if claim else None
 
     @classmethod
     def from_env(cls, **options) -> Union["Dumper", "NullDumper"]:
@@ -280,11 +279,11 @@ class Dumper:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
         self._cp_split = cp_split
         layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim, seq_dim)
-        hooked = {id(sub) for path, sub in module.named_modules() if path}
-        if hooked & self._hooked:
+        hooked = [sub for path, sub in module.named_modules() if path]
+        if any(sub in self._hooked for sub in hooked):
             raise ValueError("watch(): this model, or a module in it, is watched already: its outputs would be "
                              "dumped twice")
-        self._hooked |= hooked
+        self._hooked.update(hooked)
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 continue
@@ -394,8 +393,9 @@ class Dumper:
         first = self._marks.pop()[1]
         self._writer.discard_from(first)
         self._row_log.by_step.pop(n, None)
-        warnings.warn(f"megalign.Dumper: step {n} raised {type(error).__name__}: it is left out of the dump "
-                      f"({len(self.records) - first} tensors)", stacklevel=4)
+        with contextlib.suppress(Warning):  # warnings made errors must not replace the step's own error
+            warnings.warn(f"megalign.Dumper: step {n} raised {type(error).__name__}: it is left out of the dump "
+                          f"({len(self.records) - first} tensors)", stacklevel=4)
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -478,7 +478,7 @@ class Dumper:
         self._landing.__exit__(RuntimeError, RuntimeError("aborted"), None)
 
     def _forget_unclosed(self) -> None:
-        if hasattr(self, "_unclosed"):
+        if self._unclosed is not None:
             self._unclosed.detach()
 
     def __enter__(self) -> "Dumper":
@@ -587,20 +587,21 @@ def _rank_zero_says(message: Optional[str]) -> Optional[str]:
 def _never_closed(out: str, landing: contextlib.ExitStack) -> None:
     """A Dumper collected, or the program ending, before close() or abort(): said, and its staging
     folder removed (rank 0's landing holds it)."""
-    warnings.warn(f"megalign.Dumper({out!r}) was never closed: nothing was written (call close(), or use the "
-                  "Dumper in a with block)", stacklevel=2)
+    # Said as from megalign itself: the frame at hand is the finalizer's, of no use to the reader.
+    warnings.warn_explicit(f"megalign.Dumper({out!r}) was never closed: nothing was written (call close(), or use "
+                           "the Dumper in a with block)", UserWarning, "megalign", 0)
     with contextlib.suppress(Exception):
         landing.__exit__(RuntimeError, RuntimeError("never closed"), None)
 
 
 def _step_number(n) -> int:
     """A step's number: an int, or what stands for one (numpy's integers, a one-element integer tensor)."""
-    if isinstance(n, bool):
-        raise TypeError(f"step(n): n is the step's number, got {n!r}")
     try:
-        return operator.index(n)
+        if not isinstance(n, bool):
+            return operator.index(n)
     except TypeError:
-        raise TypeError(f"step(n): n is the step's number, got {n!r}") from None
+        pass
+    raise TypeError(f"step(n): n is the step's number, got {n!r}")
 
 
 class NullDumper:

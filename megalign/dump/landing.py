@@ -39,7 +39,8 @@ def aside_dir(out: Path) -> Path:
 
 
 # How each folder that may replace a megalign dump is told to: megalign's --out, and a Dumper's out.
-REPLACE_WITH = {"--out": "--overwrite", "Dumper out": "overwrite=True"}
+DUMPER_OUT = "Dumper out"
+REPLACE_WITH = {"--out": "--overwrite", DUMPER_OUT: "overwrite=True"}
 
 
 def check_out(out: Path, overwrite: bool, flag: str = "--out") -> None:

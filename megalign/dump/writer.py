@@ -122,7 +122,8 @@ class RankWriter:
             done.result()
         self._raise()
         self._left_out.update(record.order for record in self._unless_zero if record.stats.all_zero)
-        self.records = [record for record in self.records if record.order not in self._left_out]  # orders kept, gaps and all
+        # Orders kept, gaps and all.
+        self.records = [record for record in self.records if record.order not in self._left_out]
         self.bytes_written = sum(done.result() for done in self._files)
         head = json.dumps({
             "format": FORMAT, "version": VERSION, "rank": self.coords.rank, "tp_rank": self.coords.tp_rank,

@@ -14,6 +14,7 @@ import torch
 from megalign.compare.entries import Entry, Source, phase
 from megalign.compare.plan import Shard, full_shape
 from megalign.compare.reassemble import reassemble
+from megalign.compare.steps import step_name, step_order
 from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump
 
@@ -43,14 +44,14 @@ def _open(path: Path) -> Source:
         seen: Counter = Counter()
         for record in rank.records:
             step = _step(rank.extra.get("steps"), record.order) if dumped else None
-            label = record.name if step is None or not several else f"step{step}/{record.name}"
+            label = record.name if step is None or not several else step_name(step, record.name)
             # A module called twice per step dumps its name twice: the repeats get @1, @2, ...
             repeat = seen[(record.kind, label)]
             seen[(record.kind, label)] += 1
             name = label if repeat == 0 else f"{label}@{repeat}"
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
             steps[(record.kind, name)] = step
-            rows[(record.kind, name)] = dump.rows_at(step if several else None) if dump.step_rows else None
+            rows[(record.kind, name)] = dump.rows_at(step) if dump.step_rows else None
     meta = dump.meta
     entries = [_entry(dump, kind, name, shards, steps[(kind, name)], several, rows[(kind, name)])
                for (kind, name), shards in groups.items()]
@@ -98,11 +99,11 @@ def _step(marks: Optional[list], order: int) -> Optional[int]:
 
 def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: Optional[int], several: bool,
            rows: Optional[list]) -> Entry:
-    """An entry of a dump; where it holds several steps, ordered by step first (outside any: -1)."""
+    """An entry of a dump; where it holds several steps, ordered by step first."""
     record = shards[0].record
     shape = full_shape(shards, dump.layout)
     itemsize = getattr(torch, record.dtype).itemsize
-    order = ((-1 if step is None else step),) if several else ()
+    order = step_order(step) if several else ()
     return Entry(kind=kind, name=name, order=order + _order(shards[0]), layer=record.layer, step=step,
                  load=partial(reassemble, dump, shards),
                  shape=shape, dtype=record.dtype, batch_dim=record.sharding.dp_dim, seq_dim=record.sharding.seq_dim,
