@@ -15,8 +15,11 @@ once more as one plain sequential write into the same folder (from one host buff
 cache as the dump's files are), and `bound` is the full loop against the loop without the Dumper
 plus that write: 1.00x is a Dumper that costs nothing but the disk's time.
 
+`--dumped every:K` dumps every K-th step only (steps=, as MEGALIGN_DUMP_STEPS reads it), as a long
+run dumps a few of its steps: the files of a dumped step are written while the next steps train.
+
 usage: python bench/bench_trainer.py [--device cuda] [--steps 4] [--rounds 3] [--modes full,stats-only]
-                                     [--hidden H --layers L --vocab V --batch B --seq S]
+                                     [--dumped all|every:K|1,2] [--hidden H --layers L --vocab V --batch B --seq S]
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import megalign
 from megalign.dump.dumper import NullDumper
+from megalign.dump.steps import choose_steps
+from megalign.errors import UserError
 
 # A model that takes a CPU seconds, and one that keeps a GPU busy for as long.
 SIZES = {"cpu": dict(hidden=128, layers=2, vocab=1024, batch=4, seq=64),
@@ -58,12 +63,11 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def timed(model, optimizer, batches, mode: str, folder: Path) -> tuple[float, float, int]:
+def timed(model, optimizer, batches, mode: str, folder: Path, dumped: str) -> tuple[float, float, int]:
     """The median step after the first and the seconds of those steps and the dump's close (its
-    files written); the first step is untimed, as a training run's first is. Also the bytes dumped a
-    step."""
+    files written); the first step is untimed, as a training run's first is. Also the bytes dumped."""
     out = folder / mode
-    dumper = NullDumper() if mode == "off" else megalign.Dumper(out, **MODES[mode])
+    dumper = NullDumper() if mode == "off" else megalign.Dumper(out, steps=dumped, **MODES[mode])
     dumper.watch(model)
     step(model, optimizer, batches[0], dumper, 0)
     synchronize()
@@ -81,7 +85,7 @@ def timed(model, optimizer, batches, mode: str, folder: Path) -> tuple[float, fl
     # Untimed: the kernel's writeback of a full dump's pages would otherwise run during the next loop
     # (stats-only 1.75x after a full loop, 1.3x on a quiet disk, hidden 128 on 2 cores).
     os.sync()
-    return statistics.median(steps), loop, dumper.bytes_written // len(batches)
+    return statistics.median(steps), loop, dumper.bytes_written
 
 
 def plain_write(folder: Path, size: int) -> float:
@@ -105,6 +109,7 @@ def main() -> None:
     parser.add_argument("--steps", type=positive, default=4, help="steps a loop, the first untimed (at least 2)")
     parser.add_argument("--rounds", type=positive, default=3, help="timed loops of each mode (the median is used)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"the Dumper's modes timed, of {', '.join(MODES)}")
+    parser.add_argument("--dumped", default="all", help="the steps dumped, as MEGALIGN_DUMP_STEPS: all, every:K, 1,2")
     for name in SIZES["cpu"]:
         parser.add_argument(f"--{name}", type=positive, help="default: by the device, " +
                             ", ".join(f"{d} {s[name]}" for d, s in SIZES.items()))
@@ -114,6 +119,12 @@ def main() -> None:
     modes = args.modes.split(",")
     if not modes or set(modes) - set(MODES):
         parser.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
+    try:
+        dumped = [n for n in range(args.steps) if choose_steps(args.dumped, "--dumped").wants(n)]
+    except UserError as error:
+        parser.error(str(error))
+    if not dumped:
+        parser.error(f"--dumped {args.dumped}: none of the {args.steps} steps")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     size = {name: getattr(args, name) or default for name, default in SIZES[device].items()}
     config = LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=4 * size["hidden"],
@@ -125,23 +136,24 @@ def main() -> None:
     batches = [torch.randint(0, size["vocab"], (size["batch"], size["seq"]), device=device) for _ in range(args.steps)]
     runs: dict[str, list[tuple[float, float, int]]] = {mode: [] for mode in ("off", *modes)}
     with tempfile.TemporaryDirectory(prefix="megalign-bench-trainer-") as folder:
-        timed(model, optimizer, batches, "off", Path(folder))  # warm-up: allocator, kernels, page cache
+        timed(model, optimizer, batches, "off", Path(folder), args.dumped)  # warm-up: allocator, kernels, page cache
         for _ in range(args.rounds):
             for mode in runs:
-                runs[mode].append(timed(model, optimizer, batches, mode, Path(folder)))
-        full_bytes = runs["full"][0][2] * (args.steps - 1) if "full" in runs else 0
+                runs[mode].append(timed(model, optimizer, batches, mode, Path(folder), args.dumped))
+        per_step = {mode: run[0][2] / len(dumped) for mode, run in runs.items()}  # a dumped step's bytes
+        full_bytes = int(per_step["full"] * sum(n > 0 for n in dumped)) if "full" in runs else 0  # the timed steps'
         write = statistics.median(plain_write(Path(folder), full_bytes) for _ in range(args.rounds)) if full_bytes else 0
     step_off, loop_off = (statistics.median(run[i] for run in runs["off"]) for i in (0, 1))
     print(f"bench_trainer: LlamaForCausalLM hidden {size['hidden']}, {size['layers']} layers, vocab {size['vocab']}, "
-          f"batch {size['batch']}x{size['seq']}, {args.steps} steps (the first untimed), on {device}; median of "
-          f"{args.rounds} rounds")
+          f"batch {size['batch']}x{size['seq']}, {args.steps} steps (the first untimed), steps dumped: {args.dumped}, "
+          f"on {device}; median of {args.rounds} rounds")
     for mode in modes:
         step_ratio, loop_ratio = (statistics.median(run[i] for run in runs[mode]) / off
                                   for i, off in ((0, step_off), (1, loop_off)))
         bound = (f"   bound {statistics.median(run[1] for run in runs[mode]) / (loop_off + write):.2f}x"
                  if mode == "full" else "")
         print(f"  {mode:<10} / off: step {step_ratio:.2f}x   loop {loop_ratio:.2f}x{bound}   "
-              f"({runs[mode][0][2] / 2**20:.0f} MiB dumped a step)")
+              f"({per_step[mode] / 2**20:.0f} MiB a dumped step)")
     if full_bytes:
         print(f"  the plain write of a full loop's bytes / the loop without the Dumper: {write / loop_off:.2f}x")
 

@@ -97,6 +97,9 @@ if [ "$STAGE" = trainer ]; then
   expect "bench-trainer-1024" 0 $bt $narrow --steps 6 --rounds 3
   expect "bench-trainer-4096-stats-only" 0 $bt $wide --layers 4 --steps 5 --rounds 3 --modes stats-only
   expect "bench-trainer-4096-full" 0 $bt $wide --layers 2 --steps 2 --rounds 1 --modes full
+  # A long run dumps a few of its steps: every tenth, its files written while the next steps train.
+  expect "bench-trainer-1024-full-every-10" 0 $bt $narrow --steps 21 --rounds 3 --modes full --dumped every:10
+  expect "bench-trainer-4096-full-every-10" 0 $bt $wide --layers 2 --steps 21 --rounds 1 --modes full --dumped every:10
   for f in "$LOGS"/bench-trainer-*.log "$LOGS"/pytest-*.log; do echo "--- $(basename "$f")"; tail -n 12 "$f"; done \
     | tee "$OUTDIR/bench.txt"
   echo "== results"; cat "$RESULTS"
