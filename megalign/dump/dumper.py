@@ -431,6 +431,9 @@ class Dumper:
         self._closed = True
         self._forget_unclosed()
         self._unhook()
+        if not self._choice.all and not self._steps:  # MEGALIGN_DUMP_STEPS=7 in a run of 3 steps
+            warnings.warn(f"megalign.Dumper({str(self.out)!r}): none of the steps it was to dump ran "
+                          f"(steps {self._choice}): the dump holds no step", stacklevel=2)
         self._writer.close({**(manifest or {}), "steps": self._marks} if self._marks else manifest)
         if self._world > 1:
             dist.barrier()  # every manifest is on disk before dump.json says the dump is complete

@@ -26,6 +26,12 @@ class StepChoice:
     def all(self) -> bool:
         return self.listed is None and self.every is None
 
+    def __str__(self) -> str:
+        """As MEGALIGN_DUMP_STEPS would say it."""
+        if self.listed is not None:
+            return ",".join(map(str, sorted(self.listed)))
+        return "all" if self.every is None else f"every:{self.every}"
+
     def wants(self, n: int) -> bool:
         if self.listed is not None:
             return n in self.listed

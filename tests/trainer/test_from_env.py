@@ -102,6 +102,7 @@ def test_step_choices(text, chosen, skipped):
     choice = choose_steps(text)
     assert all(choice.wants(n) for n in chosen) and not any(choice.wants(n) for n in skipped)
     assert choice.all == (text == "all") and choose_steps(choice) is choice
+    assert choose_steps(str(choice)) == choice  # said as MEGALIGN_DUMP_STEPS would say it
 
 
 @pytest.mark.parametrize("text", ["", "every:0", "every:x", "1,,2", "first", "²", "every:²", [1.5]])

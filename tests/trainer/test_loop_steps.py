@@ -97,8 +97,9 @@ def test_what_would_lose_a_dump_without_a_word_is_refused_at_once(tmp_path):
         with pytest.raises(TypeError, match="step's number"), dumper.step(number):
             pass
     with pytest.raises(RuntimeError, match=r"step\(1\) inside step\(0\): steps do not nest"):
-        with dumper.step(0), dumper.step(torch.tensor(1)):
-            pass
+        with pytest.warns(UserWarning, match="step 0 raised RuntimeError"):  # the outer step, left out
+            with dumper.step(0), dumper.step(torch.tensor(1)):
+                pass
     dumper.close()
     for late in (lambda: dumper.add("loss", "loss", torch.ones(1)), lambda: dumper.watch(model)):
         with pytest.raises(RuntimeError, match="is closed: what (add|watch)"):
@@ -111,6 +112,10 @@ def test_what_would_lose_a_dump_without_a_word_is_refused_at_once(tmp_path):
     with pytest.raises(ValueError, match="watched already"):
         twice.watch(layers)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # the refusal aborted it: nothing left
+
+    with pytest.warns(UserWarning, match=r"none of the steps it was to dump ran \(steps 7\): the dump holds no"):
+        with megalign.Dumper(tmp_path / "late", steps="7") as late, late.step(0):
+            pass
 
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("keep me")
