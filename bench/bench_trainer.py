@@ -120,9 +120,10 @@ def main() -> None:
     if not modes or set(modes) - set(MODES):
         parser.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
     try:
-        dumped = [n for n in range(args.steps) if choose_steps(args.dumped, "--dumped").wants(n)]
+        choice = choose_steps(args.dumped, "--dumped")
     except UserError as error:
         parser.error(str(error))
+    dumped = [n for n in range(args.steps) if choice.wants(n)]
     if not dumped:
         parser.error(f"--dumped {args.dumped}: none of the {args.steps} steps")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

@@ -25,6 +25,9 @@ CHUNK = 1 << 18  # elements widened at a time for dtypes the fused pass does not
 class _Agreement:
     """What every comparison reports: the scored relative difference and the NaN/Inf counts."""
 
+    # What a row says of NaN/Inf alike on both sides.
+    NONFINITE_ALIKE = "at the same positions on both sides"
+
     rel_diff: float
     nan_a: int
     nan_b: int
@@ -60,6 +63,8 @@ class TensorMetrics(_Agreement):
 @dataclass
 class StatsMetrics(_Agreement):
     """Comparison of --stats-only summaries (see stats_metrics for the formula)."""
+
+    NONFINITE_ALIKE = "counted alike (statistics only: their positions and signs are not recorded)"
 
     norm_a: float
     norm_b: float

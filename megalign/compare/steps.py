@@ -35,7 +35,7 @@ def share_steps(*sources: Optional[Source]) -> list[Optional[Source]]:
     labels = {id(s): label for s, label in zip(sources, "ABR") if s is not None}
     shared = set.intersection(*(set(s.steps) for s in stepped))
     if not shared:
-        held = [f"{labels[id(s)]} {_steps(s.steps)}" for s in stepped]
+        held = [f"{labels[id(s)]} {_listing(s.steps)}" for s in stepped]
         raise UserError(f"{held[0].replace(' ', ' holds ', 1)}, {', '.join(held[1:])}: no step in common, "
                         "nothing compared")
     lacking = {step: [labels[id(s)] for s in stepped if step not in s.steps] for s in stepped for step in s.steps}
@@ -52,13 +52,13 @@ def _keep(source: Source, shared: set[int], lacking: dict[int, list[str]]) -> So
         return replace(entry, name=step_name(entry.step, entry.name), order=step_order(entry.step) + entry.order)
 
     entries = [named(e) for e in source.entries if e.step in shared]
-    notes = [f"{_steps([step])} set aside (not in {' or '.join(lacking[step])})"
+    notes = [f"{_listing([step])} set aside (not in {' or '.join(lacking[step])})"
              for step in sorted(set(source.steps) - shared)]
     outside = sum(e.step is None for e in source.entries)
     notes += [f"{outside} tensors outside any step set aside"] if outside else []
     return replace(source, entries=entries, description=", ".join([source.description, *notes]))
 
 
-def _steps(steps) -> str:
+def _listing(steps) -> str:
     steps = sorted(steps)
     return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}"

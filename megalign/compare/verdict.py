@@ -390,9 +390,7 @@ class _Comparison:
         m = row.metrics
         diverged = not (m.rel_diff <= row.threshold)  # NaN compares false: diverged
         if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
-            where = ("at different positions or signs" if m.nonfinite_mismatch else
-                     "counted alike (statistics only: their positions and signs are not recorded)"
-                     if isinstance(m, StatsMetrics) else "at the same positions on both sides")
+            where = "at different positions or signs" if m.nonfinite_mismatch else m.NONFINITE_ALIKE
             row.notes.append(f"NaN/Inf {where}: A {m.nan_a} NaN {m.inf_a} Inf, B {m.nan_b} NaN {m.inf_b} Inf")
         r = self.in_reference.get((pair.kind, pair.name))
         if r is not None and x.tensor is not None and y.tensor is not None:

@@ -268,6 +268,10 @@ class Dumper:
             self._watched.setdefault(named(path), param)
         if not outputs:
             return
+        hooked = [sub for path, sub in module.named_modules() if path]
+        if any(sub in self._hooked for sub in hooked):
+            raise ValueError("watch(): this model, or a module in it, is watched already: its outputs would be "
+                             "dumped twice")
         if seq_dim is not None and (megatron or batch_dim is None or seq_dim == batch_dim):
             raise ValueError("seq_dim names the token dim beside batch_dim, of a model other than megatron-core's "
                              "(whose layout is known)")
@@ -279,10 +283,6 @@ class Dumper:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
         self._cp_split = cp_split
         layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim, seq_dim)
-        hooked = [sub for path, sub in module.named_modules() if path]
-        if any(sub in self._hooked for sub in hooked):
-            raise ValueError("watch(): this model, or a module in it, is watched already: its outputs would be "
-                             "dumped twice")
         self._hooked.update(hooked)
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
