@@ -8,6 +8,7 @@ made once, keyed by the run it makes: its options as `megalign MODE` reads them,
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -72,12 +73,13 @@ def max_abs_diffs(a: Path, b: Path, kinds=None) -> dict[tuple[str, str], float]:
     return {k: (ta[k].double() - tb[k].double()).abs().max().item() for k in common}
 
 
-def rescale(dump_dir: Path, kind: str, factor: float) -> None:
-    """Multiply every tensor of `kind` by `factor` in every rank's files (or --stats-only records), as
-    a loss normalised over another count of tokens does; each value is rounded to its own dtype."""
+def rescale(dump_dir: Path, kind: str, factor: float, names: str = "") -> None:
+    """Multiply every tensor of `kind` (whose name matches the regex `names`) by `factor` in every rank's
+    files (or --stats-only records), as a loss normalised over another count of tokens does; each value
+    is rounded to its own dtype."""
     for path in dump_dir.glob("rank-*/" + MANIFEST):
         manifest = json.loads(path.read_text())
-        records = [r for r in manifest["tensors"] if r["kind"] == kind]
+        records = [r for r in manifest["tensors"] if r["kind"] == kind and re.search(names, r["name"])]
         for r in records:
             if r["stats"] is not None:
                 r["stats"].update({k: r["stats"][k] * factor for k in ("sum", "abs_sum", "min", "max")},

@@ -309,8 +309,11 @@ def _print_summary(report: Report, judging: Judging) -> None:
         verdict = "failed (--strict-nonfinite)" if judging.strict_nonfinite else "not failed"
         console.print(f"[bold yellow]NaN/Inf in both:[/] {escape(', '.join(s.nonfinite_in_both))} ({verdict})",
                       highlight=False, soft_wrap=True)
-    for whole in s.rescaled:
+    for whole in s.rescaled + [pool for pool in s.small_scale if pool.off]:
         console.print(f"[bold red]rescaled:[/] {escape(whole.note())}", highlight=False, soft_wrap=True)
+    for pool in s.small_scale:
+        if not pool.off:
+            console.print(f"[yellow]scale unverified:[/] {escape(pool.note())}", highlight=False, soft_wrap=True)
     if s.first_routing_flip:
         console.print(f"[bold red]routing flip:[/] {escape(s.first_routing_flip)}: the tensors after it see other "
                       "experts", highlight=False, soft_wrap=True)

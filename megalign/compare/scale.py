@@ -17,6 +17,13 @@ One tensor's bf16 norm moves by several percent from rounding alone, so a factor
 a wrong loss normalisation rescales every gradient by the same factor, while rounding scatters the
 ratios both ways: the median ratio of a kind's tensors (check_kinds) reads the factor to a fraction of
 a percent, and fails the kind as a whole.
+
+Where a tensor is so small that its tolerance is UNVERIFIED or wider (a bf16 norm gradient of 64
+elements: 9/8), its check verifies nothing it is for: a factor 1.5 passes. Such a row says so, and a
+step's small tensors of one kind are judged together (check_small): their pooled norm ratio,
+sqrt(sum |B|^2 / sum |A|^2), against the tolerance their own ones give the pool, sqrt(sum (w*t)^2)
+for weights w = |A|^2 / sum |A|^2 (independent deviations, each of tolerance t, averaged with those
+weights). Where even the pool's tolerance is that wide, the summary says that their scale is unverified.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ ONE_SIGNED = 0.5  # |mean| / rms from which a tensor's sum is compared
 WHOLE_KINDS = ("param_grad", "activation_grad")
 WHOLE_LEAST = 8
 WHOLE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.025}
+# A tolerance from which a factor 1.5 passes: the check verifies nothing it is for (check_small).
+UNVERIFIED = 0.5
 # a step's name (step1/...) or a later step's repeat of a name (sources/megalign.py)
 _STEP = re.compile(r"^step\d+/|@\d+$")
 
@@ -59,9 +68,16 @@ class Scale:
     off: bool
     precision: str  # the comparison's, which set the tolerance
 
+    @property
+    def unverified(self) -> bool:
+        return self.tolerance >= UNVERIFIED
+
     def note(self) -> str:
         sums = f", sum ratio {self.sum_ratio:.6g}" if self.sum_ratio is not None else ""
         return f"rescaled: norm ratio B/A {self.norm_ratio:.6g}{sums}, tolerance ±{self.tolerance:.2g}"
+
+    def unverified_note(self) -> str:
+        return f"scale unverified alone at {self.precision}: tolerance ±{self.tolerance:.2g}"
 
 
 def tolerance(precision: str, n: int) -> float:
@@ -100,16 +116,60 @@ class KindScale:
         return f"rescaled as a whole: median norm ratio B/A {self.median_ratio:.4g}"
 
 
+@dataclass
+class SmallScale:
+    """A step's tensors of one kind too small for the scale check alone (Scale.unverified), judged as one."""
+    kind: str
+    step: str  # as KindScale's
+    norm_ratio: float  # sqrt(sum |B|^2 / sum |A|^2)
+    tensors: int
+    tolerance: float
+    off: bool
+    precision: str
+
+    @property
+    def unverified(self) -> bool:
+        return self.tolerance >= UNVERIFIED
+
+    def note(self) -> str:
+        """The summary's line."""
+        what = f"{self.kind}{self.step} tensors" if self.kind else "tensors"  # plain files name no kind
+        pooled = f"{self.tensors} {what} too small to check alone, pooled"
+        if self.unverified and not self.off:
+            return (f"{pooled}: tolerance ±{self.tolerance:.2g} at {self.precision}, wider than a factor "
+                    f"{1 + UNVERIFIED:g}: their scale is not verified")
+        return f"{pooled}: norm ratio B/A {self.norm_ratio:.6g}, tolerance ±{self.tolerance:.2g}"
+
+    def row_note(self) -> str:
+        return f"rescaled with the small tensors: pooled norm ratio B/A {self.norm_ratio:.4g}"
+
+
+def check_small(judged: Iterable[tuple[int, str, str, Scale, float, float]]) -> list[tuple[SmallScale, list[int]]]:
+    """Each step's and kind's small tensors pooled (the module's docstring), each pool with its rows' keys,
+    from (key, kind, name, scale, |A|, |B|) of every row the scale check judged."""
+    groups: dict[tuple[str, str, str], dict[int, tuple[Scale, float, float]]] = {}
+    for key, kind, name, scale, norm_a, norm_b in judged:
+        if scale.unverified and math.isfinite(norm_a) and math.isfinite(norm_b):
+            groups.setdefault(_group(kind, name, scale.precision), {})[key] = (scale, norm_a, norm_b)
+    pools = []
+    for (kind, step, precision), found in groups.items():
+        squares_a = sum(a * a for _, a, _ in found.values())
+        ratio = _ratio(math.sqrt(squares_a), math.sqrt(sum(b * b for _, _, b in found.values())))
+        limit = max(TOLERANCE[precision][0], math.sqrt(sum((a * a / squares_a * scale.tolerance) ** 2
+                                                       for scale, a, _ in found.values()))) if squares_a else math.inf
+        off = not deviation(ratio) <= limit
+        pools.append((SmallScale(kind=kind, step=step, norm_ratio=ratio, tensors=len(found), tolerance=limit, off=off,
+                                 precision=precision), list(found)))
+    return pools
+
+
 def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[KindScale, list[int]]]:
     """The kinds (of WHOLE_KINDS, per step) whose median norm ratio is off, each with its rows' keys,
     from (key, kind, name, scale) of every row the scale check judged."""
     groups: dict[tuple[str, str, str], dict[int, float]] = {}
     for key, kind, name, scale in judged:
         if kind in WHOLE_KINDS and 0 < scale.norm_ratio < math.inf:
-            step = _STEP.search(name)
-            label = "" if not step else step.group() if step.group().startswith("@") else f" {step.group()[:-1]}"
-            group = groups.setdefault((kind, label, scale.precision), {})
-            group[key] = scale.norm_ratio
+            groups.setdefault(_group(kind, name, scale.precision), {})[key] = scale.norm_ratio
     off = []
     for (kind, step, precision), found in groups.items():
         median = statistics.median(found.values())
@@ -118,6 +178,13 @@ def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[Kin
             off.append((KindScale(kind=kind, step=step, median_ratio=median, tensors=len(found), tolerance=limit),
                         list(found)))
     return off
+
+
+def _group(kind: str, name: str, precision: str) -> tuple[str, str, str]:
+    """(kind, step, precision): the step as KindScale.step says it."""
+    step = _STEP.search(name)
+    label = "" if not step else step.group() if step.group().startswith("@") else f" {step.group()[:-1]}"
+    return kind, label, precision
 
 
 def ratios(n: int, norms: tuple[float, float], sums: tuple[float, float]) -> tuple[float, Optional[float]]:

@@ -30,7 +30,7 @@ from megalign.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetri
                                                 logprob_metrics, metrics_of, pair_sums, routing_metrics, stats_metrics,
                                                 tensor_metrics)
 from megalign.compare.reference import ReferenceVerdict, check_reference, judge
-from megalign.compare.scale import KindScale, Scale, check_kinds, check_scale
+from megalign.compare.scale import KindScale, Scale, SmallScale, check_kinds, check_scale, check_small
 from megalign.compare.steps import share_steps
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
 from megalign.dump.format import PRECISIONS
@@ -112,6 +112,9 @@ class Summary:
     first_failure_by_kind: dict[str, str]  # kind -> name of its first failing row (a loss bug shows in all)
     nonfinite_in_both: list[str]  # "kind name" of rows with NaN/Inf at the same positions on both sides
     rescaled: list[KindScale]  # kinds whose tensors are rescaled as a whole (scale.check_kinds)
+    # Pools of tensors too small for the scale check alone that are off, or whose scale stays unverified
+    # (scale.check_small).
+    small_scale: list[SmallScale]
 
     @property
     def ok(self) -> bool:
@@ -164,24 +167,31 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     for row in rows:
         if row.status == NOT_REASSEMBLABLE and skippable is not None and skippable.search(row.name):
             row.status = SKIPPED
-    rescaled = _judge_kinds(rows)
+    rescaled, small = _judge_kinds(rows)
     first = next((row.index for row in rows if row.failing), None)
-    report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first, rescaled), first_divergence=first)
+    report = Report(a=a, b=b, rows=rows, summary=_summarise(rows, first, rescaled, small), first_divergence=first)
     _check_something_compared(report)
     return report
 
 
-def _judge_kinds(rows: list[Row]) -> list[KindScale]:
-    """A kind rescaled as a whole (scale.check_kinds) fails on each of its rows, the first of them named
-    as the first divergence: the factor is in every one, under each one's own rounding."""
-    off = check_kinds((row.index, row.kind, row.name, row.scale) for row in rows
-                      if row.scale is not None and row.status in (PASS, FAIL))
-    for whole, indices in off:
+def _judge_kinds(rows: list[Row]) -> tuple[list[KindScale], list[SmallScale]]:
+    """A kind rescaled as a whole (scale.check_kinds), or a pool of small tensors (scale.check_small),
+    fails on each of its rows, the first of them named as the first divergence: the factor is in every
+    one, under each one's own rounding. The pools that are off or stay unverified are returned too."""
+    judged = [row for row in rows if row.scale is not None and row.status in (PASS, FAIL)]
+    off = check_kinds((row.index, row.kind, row.name, row.scale) for row in judged)
+    pools = check_small((row.index, row.kind, row.name, row.scale, row.metrics.norm_a, row.metrics.norm_b)
+                        for row in judged)
+    for group, indices in off + [(pool, indices) for pool, indices in pools if pool.off]:
         for row in (rows[index] for index in indices):
             if not row.scale.off:  # a row off on its own says so already
-                row.notes.append(whole.row_note())
+                row.notes.append(group.row_note())
             row.status = FAIL
-    return [whole for whole, _ in off]
+    for pool, indices in pools:
+        if pool.unverified and not pool.off:
+            for row in (rows[index] for index in indices):
+                row.notes.append(row.scale.unverified_note())
+    return [whole for whole, _ in off], [pool for pool, _ in pools if pool.off or pool.unverified]
 
 
 def _check_something_compared(report: Report) -> None:
@@ -537,7 +547,8 @@ def _stats(value: Value) -> TensorStats:
     return value.stats if value.stats is not None else TensorStats.of(value.tensor)
 
 
-def _summarise(rows: list[Row], first: Optional[int], rescaled: list[KindScale]) -> Summary:
+def _summarise(rows: list[Row], first: Optional[int], rescaled: list[KindScale],
+               small_scale: list[SmallScale]) -> Summary:
     def count(*statuses: str) -> int:
         return sum(1 for row in rows if row.status in statuses)
 
@@ -562,4 +573,4 @@ def _summarise(rows: list[Row], first: Optional[int], rescaled: list[KindScale])
                                             if row.routing is not None and row.routing.flipped), None),
                    first_failure_by_kind=by_kind,
                    nonfinite_in_both=[f"{row.kind} {row.name}" for row in rows if row.nonfinite_in_both],
-                   rescaled=rescaled)
+                   rescaled=rescaled, small_scale=small_scale)
