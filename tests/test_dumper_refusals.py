@@ -8,11 +8,17 @@ with the real CLI.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import megalign
 from tests.conftest import invoke
+from tests.test_api import REPO
 
 STORED = ("dense tensors of float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int64, int32, int16, "
           "int8, uint8, bool, with values")
@@ -51,3 +57,52 @@ def test_a_tensor_no_dump_can_hold_is_refused_at_add_and_the_rest_lands(tmp_path
     result = invoke("compare", tmp_path / "a", tmp_path / "b")  # the planted bug: h8 doubled
     assert result.exit_code == 1, result.output
     assert "first divergence: activation h8\n" in result.output
+
+
+# A user's script that forks while its Dumper is open: one child only exits (sys.exit, its at-exit hooks
+# run), the other tries the parent's Dumper; the parent goes on and closes it.
+FORKS = """
+import os, sys
+import torch
+import megalign
+
+with megalign.Dumper(sys.argv[1]) as dumper:
+    dumper.add("loss", "before", torch.tensor(1.5))
+    if os.fork() == 0:
+        sys.exit(0)
+    os.wait()
+    if os.fork() == 0:
+        def step():
+            with dumper.step(0):
+                pass
+
+        for use in (lambda: dumper.add("loss", "child", torch.tensor(9.0)), step, dumper.close):
+            try:
+                use()
+            except RuntimeError as error:
+                print(error, flush=True)
+        sys.exit(0)
+    os.wait()
+    print(sorted(p.name for p in os.scandir(os.path.dirname(sys.argv[1]))), flush=True)
+    dumper.add("loss", "after", torch.tensor(2.5))
+"""
+
+
+def test_a_forked_child_neither_removes_nor_writes_its_parents_dump(tmp_path):
+    """The child's exit ran the Dumper's at-exit hook, and its copy of the claimed staging folder's
+    context was closed: the parent's OUT.partial was removed, and its close() failed. A child that used
+    the Dumper landed the parent's dump. Now only the process that made the Dumper touches it."""
+    (tmp_path / "forks.py").write_text(FORKS)
+    out = tmp_path / "dumps" / "mine"
+    done = subprocess.run([sys.executable, "forks.py", str(out)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 4 and lines[3] == "['mine.partial']", done.stdout  # intact after both children
+    for line, call in zip(lines, ("add", "step", "close")):
+        assert re.fullmatch(rf"megalign.Dumper\({re.escape(repr(str(out)))}\) is process \d+'s; {call}\(\) in "
+                            r"process \d+, a fork of it, would mix into its dump or lose it \(make a Dumper of this "
+                            r"process's own, with another out\)", line), line
+    assert "never closed" not in done.stderr
+    assert megalign.open(out).names() == [("loss", "before"), ("loss", "after")]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["mine"]

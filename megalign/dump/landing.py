@@ -208,14 +208,17 @@ def staged(out: Path, overwrite: bool, owner: bool = True, flag: str = "--out") 
     """Yield OUT.partial to write into; rename it to OUT once the block succeeds, remove it if not.
 
     Only the owner (node 0) creates, lands or removes the folder; other nodes' workers write into it.
+    Of the owner, the process that claimed it: a forked child's copy of this generator is closed
+    when the child ends (GeneratorExit here), and must leave the parent's folder alone.
     """
     staging = staging_dir(out)
     if owner:
         _claim(staging)
+    claimer = os.getpid()
     try:
         yield staging
     except BaseException:
-        if owner:
+        if owner and os.getpid() == claimer:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     if owner:
