@@ -1,6 +1,7 @@
 """What megalign.Dumper refuses at once, so that nothing is lost later and nothing unreadable is
 written: a tensor no dump can hold (at add(), the rest of the dump landing), a forked child's use of
-its parent's Dumper.
+its parent's Dumper, steps it cannot mean, a step written twice, a blank MEGALIGN_DUMP; and its
+refusals speak of its own arguments, not the CLI's flags.
 
 Written as a user writes a script: megalign.Dumper's public API, each dump read back and compared
 with the real CLI.
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import megalign
+from megalign.errors import UserError
 from tests.conftest import invoke
 from tests.test_api import REPO
 
@@ -106,3 +108,75 @@ def test_a_forked_child_neither_removes_nor_writes_its_parents_dump(tmp_path):
     assert "never closed" not in done.stderr
     assert megalign.open(out).names() == [("loss", "before"), ("loss", "after")]
     assert sorted(p.name for p in out.parent.iterdir()) == ["mine"]
+
+
+def test_the_dumpers_refusals_name_its_own_arguments(tmp_path, monkeypatch):
+    """They said `--out` and `--overwrite`, which a Python caller never typed."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    with pytest.raises(UserError) as refused:
+        megalign.Dumper(notes, overwrite=True)
+    assert str(refused.value) == (f"Dumper out {notes} is not a megalign dump (no megalign dump.json in it); "
+                                  "overwrite=True only replaces megalign dumps")
+    first = megalign.Dumper(tmp_path / "out")
+    with pytest.raises(UserError, match=r"is writing .*out\.partial; wait for it or choose another Dumper out$"):
+        megalign.Dumper(tmp_path / "out")
+    first.close()
+    again = megalign.Dumper(tmp_path / "out", overwrite=True)
+    monkeypatch.chdir(tmp_path / "out")  # the folder to replace now holds the working folder
+    with pytest.raises(UserError) as refused:
+        again.close()
+    assert str(refused.value) == (f"Dumper out {tmp_path / 'out'} is the working folder or holds it; overwrite=True "
+                                  "will not replace it")
+    assert (notes / "todo.txt").read_text() == "keep me" and megalign.open(tmp_path / "out").names() == []
+
+
+def written_steps(out, steps) -> list[int]:
+    """The steps a Dumper given `steps` writes of a loop of steps 0 to 3."""
+    model = torch.nn.Linear(2, 1)
+    with megalign.Dumper(out, steps=steps) as dumper:
+        dumper.watch(model)
+        for n in range(4):
+            with dumper.step(n):
+                model(torch.ones(1, 2)).sum().backward()
+    return megalign.open(out).meta["steps"]
+
+
+def test_steps_as_one_step_none_and_a_negative_step(tmp_path):
+    """steps=5 and steps=None raised torch's TypeError ('int' object is not iterable); steps=[-1] chose no step."""
+    assert written_steps(tmp_path / "one", 2) == [2]  # as MEGALIGN_DUMP_STEPS=2
+    assert written_steps(tmp_path / "none", None) == [0, 1, 2, 3]
+    with pytest.raises(UserError, match=r"^steps: steps are whole numbers from 0, got \[-1\]$"):
+        megalign.Dumper(tmp_path / "last", steps=[-1])
+    with pytest.raises(UserError, match=r"^steps: expected all, a step, a list of steps, or every:K, got 1.5$"):
+        megalign.Dumper(tmp_path / "half", steps=1.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["none", "one"]
+
+
+def test_a_step_written_already_is_refused(tmp_path):
+    """A step counter that starts again each epoch: step(1) twice put both runs' tensors under one step."""
+    model = torch.nn.Linear(2, 1)
+    refused = []
+    with megalign.Dumper(tmp_path / "out") as dumper:
+        dumper.watch(model)
+        for n in (0, 1, 0):  # the second epoch's first step
+            try:
+                with dumper.step(n):
+                    model(torch.ones(1, 2)).sum().backward()
+            except RuntimeError as error:
+                refused.append(str(error))
+    assert refused == ["step(0) ran already: its tensors would stand beside the first run's under one step (a step "
+                       "counter that starts again, each epoch?)"]
+    out = megalign.open(tmp_path / "out")
+    assert out.meta["steps"] == [0, 1]
+    assert [name for _, name in out.names("param_grad")] == ["step0/weight", "step0/bias", "step1/weight", "step1/bias"]
+
+
+def test_a_blank_megalign_dump_is_refused(tmp_path, monkeypatch):
+    """MEGALIGN_DUMP=" " made a folder named " "."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEGALIGN_DUMP", " ")
+    with pytest.raises(UserError, match=r"^MEGALIGN_DUMP=' ' starts or ends with a blank: give the folder without "):
+        megalign.Dumper.from_env()
+    assert list(tmp_path.iterdir()) == []

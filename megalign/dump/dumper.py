@@ -72,9 +72,10 @@ class Dumper:
     `stats_only`: per-tensor statistics instead of values. `name_filter`: a regex; only tensors whose
     name it finds are written (inputs always). `claim=False`: `out` is a folder a launcher has
     claimed and will land (megalign's runs): every rank writes into it as it is, and rank 0 adds
-    dump.json at close. `steps`: which steps are written ("all", a list of ints, "1,2", "every:K");
-    other than "all", nothing is written outside a chosen step's block. `params`: each step's end
-    also dumps the watched parameters (kind param), so that an optimizer bug shows at the next step.
+    dump.json at close. `steps`: which steps are written ("all" or None, a step, a list of steps,
+    "1,2", "every:K"); other than "all", nothing is written outside a chosen step's block. `params`:
+    each step's end also dumps the watched parameters (kind param), so that an optimizer bug shows at
+    the next step.
     `dp_group`: without megatron-core's parallel_state, this rank's data-parallel group where it is
     not the whole world (the `process_group` given to torch DDP, or a 1-D DeviceMesh: `mesh["dp"]`):
     plain parameters are replicas, and outputs split on `batch_dim`, over that group only. The
@@ -134,6 +135,9 @@ class Dumper:
         out = os.environ.get("MEGALIGN_DUMP")
         if not out:
             return NullDumper()
+        if out != out.strip():  # MEGALIGN_DUMP=" " made a folder named " "
+            raise UserError(f"MEGALIGN_DUMP={out!r} starts or ends with a blank: give the folder without them, or "
+                            "leave MEGALIGN_DUMP unset or empty to dump nothing")
         steps = os.environ.get("MEGALIGN_DUMP_STEPS")
         if steps:
             options["steps"] = choose_steps(steps, "MEGALIGN_DUMP_STEPS")
@@ -371,6 +375,9 @@ class Dumper:
         self._check_open("step")
         if self._step_now is not None:
             raise RuntimeError(f"step({n}) inside step({self._step_now}): steps do not nest")
+        if n in self._steps:  # a step that raised is not: the loop may try it again
+            raise RuntimeError(f"step({n}) ran already: its tensors would stand beside the first run's under one "
+                               "step (a step counter that starts again, each epoch?)")
         outside, outside_step = self._writing, self._step_now
         self._writing, self._step_now = self._choice.wants(n), n
         # From the second step on, device statistics go through a Triton kernel: its compilation
