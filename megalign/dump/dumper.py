@@ -72,9 +72,10 @@ class Dumper:
     `stats_only`: per-tensor statistics instead of values. `name_filter`: a regex; only tensors whose
     name it finds are written (inputs always). `claim=False`: `out` is a folder a launcher has
     claimed and will land (megalign's runs): every rank writes into it as it is, and rank 0 adds
-    dump.json at close. `steps`: which steps are written ("all", a list of ints, "1,2", "every:K");
-    other than "all", nothing is written outside a chosen step's block. `params`: each step's end
-    also dumps the watched parameters (kind param), so that an optimizer bug shows at the next step.
+    dump.json at close. `steps`: which steps are written ("all" or None, a step, a list of steps,
+    "1,2", "every:K"); other than "all", nothing is written outside a chosen step's block. `params`:
+    each step's end also dumps the watched parameters (kind param), so that an optimizer bug shows at
+    the next step.
     `dp_group`: without megatron-core's parallel_state, this rank's data-parallel group where it is
     not the whole world (the `process_group` given to torch DDP, or a 1-D DeviceMesh: `mesh["dp"]`):
     plain parameters are replicas, and outputs split on `batch_dim`, over that group only. The
@@ -118,9 +119,13 @@ class Dumper:
         self._steps: list[int] = []
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
         self._closed = False
+        # Only this process writes, lands or removes the dump: a forked child holds a copy of the
+        # Dumper, and its exit ran the at-exit hook below, which removed the parent's staging folder.
+        self._pid = os.getpid()
         # A Dumper the program never closes writes nothing: said at the latest when the program
         # ends, and its staging folder removed (megalign's own runs, claim=False, land theirs).
-        self._unclosed = weakref.finalize(self, _never_closed, str(self.out), self._landing) if claim else None
+        self._unclosed = (weakref.finalize(self, _never_closed, str(self.out), self._landing, self._pid)
+                          if claim else None)
 
     @classmethod
     def from_env(cls, **options) -> Union["Dumper", "NullDumper"]:
@@ -130,6 +135,9 @@ class Dumper:
         out = os.environ.get("MEGALIGN_DUMP")
         if not out:
             return NullDumper()
+        if out != out.strip():  # MEGALIGN_DUMP=" " made a folder named " "
+            raise UserError(f"MEGALIGN_DUMP={out!r} starts or ends with a blank: give the folder without them, or "
+                            "leave MEGALIGN_DUMP unset or empty to dump nothing")
         steps = os.environ.get("MEGALIGN_DUMP_STEPS")
         if steps:
             options["steps"] = choose_steps(steps, "MEGALIGN_DUMP_STEPS")
@@ -367,6 +375,9 @@ class Dumper:
         self._check_open("step")
         if self._step_now is not None:
             raise RuntimeError(f"step({n}) inside step({self._step_now}): steps do not nest")
+        if n in self._steps:  # a step that raised is not: the loop may try it again
+            raise RuntimeError(f"step({n}) ran already: its tensors would stand beside the first run's under one "
+                               "step (a step counter that starts again, each epoch?)")
         outside, outside_step = self._writing, self._step_now
         self._writing, self._step_now = self._choice.wants(n), n
         # From the second step on, device statistics go through a Triton kernel: its compilation
@@ -398,8 +409,15 @@ class Dumper:
                           f"({len(self.records) - first} tensors)", stacklevel=4)
 
     def _check_open(self, call: str) -> None:
+        self._check_process(call)
         if self._closed:
             raise RuntimeError(f"megalign.Dumper({str(self.out)!r}) is closed: what {call}() is given would be lost")
+
+    def _check_process(self, call: str) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"megalign.Dumper({str(self.out)!r}) is process {self._pid}'s; {call}() in process "
+                               f"{os.getpid()}, a fork of it, would mix into its dump or lose it (make a Dumper of "
+                               "this process's own, with another out)")
 
     def _dump_parameters(self) -> None:
         names = {id(param): name for name, param in self._watched.items()}
@@ -425,7 +443,8 @@ class Dumper:
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
         rename the staging folder to `out`. `meta` makes dump.json's contents (a run's: meta.run_meta);
-        None: a Python writer's, made from what was written."""
+        None: a Python writer's, made from what was written. In a forked child: RuntimeError."""
+        self._check_process("close")
         if self._closed:
             return
         self._closed = True
@@ -470,8 +489,9 @@ class Dumper:
                                        "steps": self._steps, **rows})
 
     def abort(self) -> None:
-        """Stop without a dump: hooks off, the staging folder removed (rank 0)."""
-        if self._closed:
+        """Stop without a dump: hooks off, the staging folder removed (rank 0). In a forked child,
+        nothing: the dump is the parent's, and the error being handled is the one to report."""
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
         self._forget_unclosed()
@@ -587,9 +607,11 @@ def _rank_zero_says(message: Optional[str]) -> Optional[str]:
     return bytes(said[1:].tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def _never_closed(out: str, landing: contextlib.ExitStack) -> None:
+def _never_closed(out: str, landing: contextlib.ExitStack, pid: int) -> None:
     """A Dumper collected, or the program ending, before close() or abort(): said, and its staging
-    folder removed (rank 0's landing holds it)."""
+    folder removed (rank 0's landing holds it), by the process that made it (`pid`) only."""
+    if os.getpid() != pid:  # a forked child's copy: the parent's dump goes on
+        return
     # Said as from megalign itself: the frame at hand is the finalizer's, of no use to the reader.
     warnings.warn_explicit(f"megalign.Dumper({out!r}) was never closed: nothing was written (call close(), or use "
                            "the Dumper in a with block)", UserWarning, "megalign", 0)

@@ -77,7 +77,7 @@ def _check_out(out: Path, overwrite: bool, flag: str) -> None:
             replace = REPLACE_WITH.get(flag)
             raise UserError(f"{flag} {out} exists and is not empty; " + (f"pass {replace} to replace it (only a "
                             "megalign dump is ever replaced)" if replace else "give a new or empty folder"))
-        check_replaceable(out)
+        check_replaceable(out, flag)
 
 
 def _check_name_length(out: Path, folder: Path, flag: str) -> None:
@@ -90,19 +90,21 @@ def _check_name_length(out: Path, folder: Path, flag: str) -> None:
                         f"{longest - len(os.fsencode(out.name))} characters; the file system takes {limit})")
 
 
-def check_replaceable(out: Path) -> None:
-    """--overwrite removes OUT only when it is a megalign dump and holds neither the working folder nor a parent of it."""
+def check_replaceable(out: Path, flag: str) -> None:
+    """--overwrite removes OUT only when it is a megalign dump and holds neither the working folder nor a parent
+    of it. `flag`: what OUT is to the user, a REPLACE_WITH key (the Dumper's out says overwrite=True)."""
+    replace = REPLACE_WITH[flag]
     resolved, cwd = out.resolve(), Path.cwd().resolve()
     if cwd == resolved or resolved in cwd.parents:
-        raise UserError(f"--out {out} is the working folder or holds it; --overwrite will not replace it")
+        raise UserError(f"{flag} {out} is the working folder or holds it; {replace} will not replace it")
     meta = _megalign_json(out / DUMP_META)
     if meta is None:
-        raise UserError(f"--out {out} is not a megalign dump (no megalign {DUMP_META} in it); --overwrite only "
+        raise UserError(f"{flag} {out} is not a megalign dump (no megalign {DUMP_META} in it); {replace} only "
                         "replaces megalign dumps")
     foreign = _foreign(out, meta)
     if foreign:
-        raise UserError(f"--out {out} is not a megalign dump (it holds {', '.join(foreign[:3])}"
-                        f"{' ...' if len(foreign) > 3 else ''}); --overwrite only replaces megalign dumps")
+        raise UserError(f"{flag} {out} is not a megalign dump (it holds {', '.join(foreign[:3])}"
+                        f"{' ...' if len(foreign) > 3 else ''}); {replace} only replaces megalign dumps")
 
 
 def _foreign(out: Path, meta: dict) -> list[str]:
@@ -147,7 +149,7 @@ def _megalign_json(path: Path):
     return raw if isinstance(raw, dict) and raw.get("format") == FORMAT else None
 
 
-def _claim(staging: Path) -> None:
+def _claim(staging: Path, flag: str) -> None:
     """Create the staging folder exclusively; clear one left by a dead megalign run of this host."""
     try:
         staging.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +162,7 @@ def _claim(staging: Path) -> None:
             raise UserError(f"{staging} exists and is not a megalign staging folder; move it away") from None
         if owner.get("host") != socket.gethostname() or _alive(owner.get("pid")):
             raise UserError(f"another megalign run (pid {owner.get('pid')} on {owner.get('host')}) is writing "
-                            f"{staging}; wait for it or choose another --out") from None
+                            f"{staging}; wait for it or choose another {flag}") from None
         shutil.rmtree(staging)  # a crashed run of ours: its marker says so
         staging.mkdir()
     (staging / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
@@ -195,7 +197,7 @@ def _land(staging: Path, out: Path, overwrite: bool, flag: str) -> None:
         if not overwrite:
             raise UserError(f"{flag} {out} was filled by something else during the run; what this run wrote "
                             f"is left in {staging}")
-        check_replaceable(out)
+        check_replaceable(out, flag)
         old = aside_dir(out)
         os.replace(out, old)
     os.replace(staging, out)
@@ -208,14 +210,17 @@ def staged(out: Path, overwrite: bool, owner: bool = True, flag: str = "--out") 
     """Yield OUT.partial to write into; rename it to OUT once the block succeeds, remove it if not.
 
     Only the owner (node 0) creates, lands or removes the folder; other nodes' workers write into it.
+    Of the owner, the process that claimed it: a forked child's copy of this generator is closed
+    when the child ends (GeneratorExit here), and must leave the parent's folder alone.
     """
     staging = staging_dir(out)
     if owner:
-        _claim(staging)
+        _claim(staging, flag)
+    claimer = os.getpid()
     try:
         yield staging
     except BaseException:
-        if owner:
+        if owner and os.getpid() == claimer:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     if owner:

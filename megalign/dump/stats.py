@@ -33,9 +33,7 @@ class TensorStats:
         accumulate in float32 through torch's cascade summation and in float64 across chunks (about
         1e-7 relative; seen: 1e-7 on 2e7 normal values). vector_norm is avoided: its float32
         accumulation lost 0.2% on the same values."""
-        x = tensor.detach().flatten()
-        if not x.is_floating_point():
-            x = x.double()  # token ids and masks: small, and exact in float64
+        x = summable(tensor.detach().flatten())
         if x.device.type == "cpu":
             return cls(tensor.numel(), *_host_stats(x))
         total, sum_sq, abs_sum = _sums(x)
@@ -95,6 +93,14 @@ class TensorStats:
 
 
 _FIELDS = tuple(field.name for field in fields(TensorStats))
+
+
+def summable(x: torch.Tensor) -> torch.Tensor:
+    """`x` in a dtype torch sums and takes extremes of: integers and bools as float64 (token ids and
+    masks: small, and exact so), float8 as float32 (aminmax has no float8 kernel)."""
+    if not x.is_floating_point():
+        return x.double()
+    return x.float() if x.itemsize == 1 else x
 
 
 def _sums(x: torch.Tensor) -> tuple[float, float, float]:
@@ -171,9 +177,7 @@ class SummaryBatch:
 
     def add(self, tensor: torch.Tensor) -> None:
         """A detached tensor (the writer's)."""
-        x = tensor.reshape(-1)
-        if not x.is_floating_point():
-            x = x.double()
+        x = summable(tensor.reshape(-1))
         owner, self._tensors = self._tensors, self._tensors + 1
         if x.dtype == torch.float64:  # kept exact: its rows reduced now, in float64
             self._reduce()

@@ -1,8 +1,11 @@
 """Which training steps a Dumper writes: `steps=` of megalign.Dumper, and MEGALIGN_DUMP_STEPS.
 
-    "all" (the default)      every step, and whatever is added outside a step block
+    "all" (the default)      every step, and whatever is added outside a step block; None says it too
     [1, 2] or "1,2"          those steps only
+    5 or "5"                 step 5 only
     "every:K"                steps 0, K, 2K, ...
+
+Chosen steps are whole numbers from 0, as a loop counts them: -1 would choose no step, not the last.
 
 With a choice other than "all", nothing is written outside a chosen step's `with dumper.step(n):`.
 """
@@ -14,7 +17,7 @@ from typing import Iterable, Optional, Union
 
 from megalign.errors import UserError
 
-Steps = Union[str, Iterable[int], "StepChoice"]
+Steps = Union[str, int, Iterable[int], "StepChoice", None]
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,17 @@ def choose_steps(steps: Steps, where: str = "steps") -> StepChoice:
     """`steps` as a StepChoice; UserError (naming `where`) for anything else."""
     if isinstance(steps, StepChoice):
         return steps
+    if steps is None:
+        return StepChoice()
+    if _step(steps):
+        steps = [steps]
     if not isinstance(steps, str):
-        listed = list(steps)
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in listed):
-            raise UserError(f"{where}: steps are ints, got {listed!r}")
+        try:
+            listed = list(steps)
+        except TypeError:
+            raise UserError(f"{where}: expected all, a step, a list of steps, or every:K, got {steps!r}") from None
+        if not all(map(_step, listed)):
+            raise UserError(f"{where}: steps are whole numbers from 0, got {listed!r}")
         return StepChoice(listed=frozenset(listed))
     text = steps.strip()
     if text == "all":
@@ -59,6 +69,11 @@ def choose_steps(steps: Steps, where: str = "steps") -> StepChoice:
     if not all(map(_whole, parts)):
         raise UserError(f"{where}: expected all, a list like 1,2, or every:K, got {steps!r}")
     return StepChoice(listed=frozenset(int(part) for part in parts))
+
+
+def _step(n: object) -> bool:
+    """An int >= 0 (a bool is no step)."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
 
 
 def _whole(text: str) -> bool:

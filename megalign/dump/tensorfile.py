@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import torch
 import xxhash
 
+from megalign.dump.format import dtype_name
 from megalign.errors import UserError
 
 # safetensors' dtype names, the ones torch reads.
@@ -30,7 +31,23 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# What a dump holds, as a refusal says it.
+STORED = f"dense tensors of {', '.join(dtype_name(dtype) for dtype in DTYPES.values())}, with values"
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+
+def unstorable(tensor: torch.Tensor) -> Optional[str]:
+    """What keeps a dump from holding `tensor` ("a complex64 tensor"), or None. Checked where a tensor is
+    added: a dtype safetensors has no name for failed the whole dump at close, after the run."""
+    if tensor.is_nested:
+        return "a nested tensor"
+    if tensor.layout != torch.strided:
+        return f"a tensor of layout {tensor.layout}"
+    if tensor.is_meta:
+        return "a tensor on the meta device"
+    if tensor.dtype not in NAMES:
+        return f"a {dtype_name(tensor.dtype)} tensor"
+    return None
 
 
 def content_hash(tensor: torch.Tensor) -> str:

@@ -13,15 +13,15 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord
+from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord, dtype_name
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import MeshPlacement, Sharding
 from megalign.dump.stats import TensorStats
+from megalign.dump.tensorfile import DTYPES as STORED_DTYPES
 from megalign.errors import UserError
 
-# The dtypes safetensors stores, by the names dtype_name() writes.
-DTYPES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int64": 8,
-          "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}  # and their sizes in bytes
+# The dtypes a dump stores, by the names dtype_name() writes, and their sizes in bytes.
+DTYPES = {dtype_name(dtype): dtype.itemsize for dtype in STORED_DTYPES.values()}
 LAYOUT_AXES = ("tp", "pp", "cp")  # every dump has them; dp came later, 1 when absent
 
 

@@ -26,7 +26,7 @@ from megalign.dump.format import (COMPACT, FORMAT, MANIFEST, VERSION, Kind, Rank
 from megalign.dump.sharding import Sharding
 from megalign.dump.staging import PinnedStaging
 from megalign.dump.stats import SummaryBatch, TensorStats
-from megalign.dump.tensorfile import write_file
+from megalign.dump.tensorfile import STORED, unstorable, write_file
 
 # One thread writes into the page cache at about one core's copy speed; files written side by side go
 # faster (bench/bench_writer.py on the H200 host: 1.38x one sequential write with one thread, 0.49x
@@ -82,7 +82,11 @@ class RankWriter:
             unless_zero: bool = False) -> None:
         """Record a tensor. `stable`: it will not change before close() (parameter gradients after the
         step), so it is written from where it is; any other is copied now. `unless_zero` (stats-only):
-        the record is left out at close if its statistics say the tensor is all zero."""
+        the record is left out at close if its statistics say the tensor is all zero. A tensor no dump
+        can hold is refused (TypeError), whatever the name filter says."""
+        refused = unstorable(tensor)
+        if refused is not None:
+            raise TypeError(f"{kind} {name}: megalign stores {STORED}; got {refused}")
         if not self.wants(kind, name):
             return
         self._raise()
