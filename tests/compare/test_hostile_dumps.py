@@ -116,6 +116,23 @@ def test_a_tensor_file_whose_header_lies_is_exit_2(dump, victim):
     exit_2(invoke("compare", dump(*SMALL), victim), "unreadable tensor file")
 
 
+def test_a_file_cut_short_inside_a_replica_is_exit_2(dump, tmp_path):
+    """CP ranks hold every parameter gradient whole, rank 1's with rank 0's hash, so rank 1's bytes are never
+    read: a file cut short inside them passed. Every record's bytes must lie in its file, read or not."""
+    whole, cut = copy_dump(dump(*CP2), tmp_path / "whole"), copy_dump(dump(*CP2), tmp_path / "cut")
+    assert invoke("compare", dump(*CP2), whole).exit_code == 0
+    manifests = [json.loads((cut / f"rank-0000{r}" / "manifest.json").read_text()) for r in (0, 1)]
+    replica = next(t for t in manifests[1]["tensors"] if t["name"] == "output_layer.weight")
+    assert replica["hash"] == next(t for t in manifests[0]["tensors"] if t["name"] == "output_layer.weight")["hash"]
+    tensor_file = cut / "rank-00001" / replica["file"]
+    raw = tensor_file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8:8 + length])[replica["key"]]["data_offsets"]
+    tensor_file.write_bytes(raw[:8 + length + (begin + end) // 2])
+    exit_2(invoke("compare", dump(*CP2), cut), f"{tensor_file}: unreadable tensor file (tensor {replica['key']!r}: "
+                                                f"data_offsets [{begin}, {end}] end past the file's")
+
+
 def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
     """The outside file holds exactly the tensor the record names: reading it would pass."""
     manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())
