@@ -56,7 +56,7 @@ class Dump:
         rows, step_rows = check_rows(meta, layout, str(meta_path))
         ranks = []
         for rank in range(meta["world_size"]):
-            manifest_path = path / rank_dirname(rank) / MANIFEST
+            manifest_path = _rank_dir(path, rank) / MANIFEST
             if not manifest_path.is_file():
                 raise UserError(f"{path}: incomplete dump (rank {rank} has no {MANIFEST})")
             coords, records, extra = check_manifest(_read_json(manifest_path), str(manifest_path), rank,
@@ -122,6 +122,18 @@ class Dump:
         tensor = torch.empty(location.shape, dtype=location.dtype)
         read_into(location, tensor)
         return tensor
+
+
+def _rank_dir(path: Path, rank: int) -> Path:
+    """A rank's folder: a link to one inside the dump is followed, one out of it (into another dump) refused."""
+    rank_dir = path / rank_dirname(rank)
+    try:
+        target = rank_dir.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a loop of links (Python < 3.13)
+        raise UserError(f"{rank_dir}: unreadable ({e})") from None
+    if not target.is_relative_to(path.resolve()):
+        raise UserError(f"{rank_dir}: a link out of the dump (to {target}); a rank folder must lie inside it")
+    return rank_dir
 
 
 def _read_json(path: Path):

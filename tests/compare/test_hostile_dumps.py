@@ -155,6 +155,22 @@ def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
     exit_2(invoke("compare", dump(*SMALL), victim), "is not a regular file")
 
 
+def test_a_rank_folder_linked_out_of_the_dump_is_refused(dump, victim, tmp_path):
+    """A rank folder that is a link to another dump's: the other dump's tensors would be compared as this
+    one's (the same run's here: it would pass). A link that stays inside the dump is followed."""
+    rank = victim / "rank-00000"
+    (victim / "ranks").mkdir()
+    rank.rename(victim / "ranks" / "rank-00000")
+    rank.symlink_to(Path("ranks") / "rank-00000")
+    assert invoke("compare", dump(*SMALL), victim).exit_code == 0
+    rank.unlink()
+    rank.symlink_to(dump(*SMALL) / "rank-00000")
+    exit_2(invoke("compare", dump(*SMALL), victim), f"{rank}: a link out of the dump (to {dump(*SMALL).resolve()}")
+    rank.unlink()
+    rank.symlink_to(rank.name)  # a link to itself
+    exit_2(invoke("compare", dump(*SMALL), victim), f"{rank}: unreadable (")
+
+
 def test_a_fifo_named_as_the_tensor_file_does_not_hang(dump, victim):
     manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())
     os.mkfifo(victim / "rank-00000" / "fifo.safetensors")
