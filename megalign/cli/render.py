@@ -14,22 +14,31 @@ import contextlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator, NoReturn, Optional, Sequence, Union
+from typing import Iterable, Iterator, NoReturn, Optional, Sequence, Union
 
 import typer
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
+from rich.segment import Segment
 from rich.table import Table
 
 class _Console(Console):
+    """No colour (--no-color, NO_COLOR) is no style at all: rich's own no_color mode drops the colours
+    and still writes bold and the other attributes."""
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return super()._render_buffer(Segment.strip_styles(buffer) if self.no_color else buffer)
+
+
+class _Stdout(_Console):
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError  # rich's own exits 1, whatever the verdict: reader_may_leave handles it
 
 
-console = _Console()
-err_console = Console(stderr=True)
+console = _Stdout()
+err_console = _Console(stderr=True)
 
 FORMATS = ("auto", "table", "plain", "markdown")
 FOLD_MIN = 20  # the narrowest a `wraps` column folds to: a long name stays readable, a few lines tall
@@ -72,7 +81,7 @@ def human_bytes(n: int) -> str:
 
 
 def use_color(no_color: bool) -> None:
-    """--no-color (or NO_COLOR, which rich reads itself) turns styles off on both consoles."""
+    """--no-color (or NO_COLOR, which rich reads itself) turns every style off on both consoles."""
     if no_color:
         console.no_color = err_console.no_color = True
 
