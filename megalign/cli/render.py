@@ -5,7 +5,9 @@ NO_COLOR) it is plain text aligned to its content, and `markdown` gives a GitHub
 comment. Cells are never cut. A terminal too narrow for the whole table takes the caller's steps,
 in order, until it fits (`_fit`): a column folds onto more lines (between words, so that a number is
 never split; a `wraps` column anywhere, down to FOLD_MIN characters), or is left out (a `footnote`
-column's cells are then printed under the table).
+column's cells are then printed under the table). Text from outside (names from a dump, messages
+naming them) reaches the terminal through `shown` or `printable` only: it can neither restyle the
+terminal nor add a line.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, NoReturn, Optional, Sequence, Union
 
 import typer
@@ -50,7 +52,7 @@ Step = tuple[str, Union[str, int]]
 
 def fail(message: str, code: int) -> NoReturn:
     """Print `error: message` in red on stderr and exit with `code`."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {shown(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -66,6 +68,20 @@ def reader_may_leave() -> Iterator[None]:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
+
+
+def shown(text: str) -> str:
+    """Text from outside (a name from a dump, a message naming one) as rich markup: printable, markup escaped."""
+    return escape(printable(text))
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal acts on (ESC, a newline, ...) written as a Python string
+    literal writes it (`\\x1b`, `\\n`): a name from a dump would otherwise restyle the terminal, or put a
+    line of its own into the report."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def plural(count: int, word: str) -> str:
@@ -114,6 +130,7 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], fmt: 
     `narrowing`: the steps a terminal table takes, in order, while it is too wide. A terminal too
     narrow for the table after every step gets plain text, whose long lines it wraps: rich would
     squeeze the columns further and split numbers."""
+    rows = [[replace(cell, text=printable(cell.text)) for cell in row] for row in rows]  # names from a dump
     widths = _fit(columns, rows, console.width, narrowing) if fmt == "table" else []
     if fmt == "table" and _width(widths) <= console.width:
         console.print(_rich_table(columns, rows, widths, highlight))

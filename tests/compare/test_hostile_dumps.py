@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from compare_fixtures import CP1, CP2, copy_dump
-from conftest import invoke
+from compare_fixtures import CP1, CP2, copy_dump, perturb
+from conftest import error_line, invoke
 from safetensors.torch import save_file
 
 SMALL = ("forward", "--filter", r"^decoder\.layers\.1\.mlp$|^logits$")  # a few tensors, quick to copy and read
@@ -169,6 +169,31 @@ def test_a_rank_folder_linked_out_of_the_dump_is_refused(dump, victim, tmp_path)
     rank.unlink()
     rank.symlink_to(rank.name)  # a link to itself
     exit_2(invoke("compare", dump(*SMALL), victim), f"{rank}: unreadable (")
+
+
+# Clears the screen, turns the text red, then fakes the summary of a passing comparison on a line of its own.
+HOSTILE_NAME = "decoder.layers.1.mlp\x1b[2J\x1b[31m\nall compared tensors within threshold [bold]"
+HOSTILE_SHOWN = r"decoder.layers.1.mlp\x1b[2J\x1b[31m\nall compared tensors within threshold [bold]"
+
+
+def test_a_name_from_a_dump_reaches_the_terminal_escaped(dump, tmp_path):
+    """In the table's row (each format), the first-divergence line and an error line, the name is shown
+    with its control characters written out (and rich's markup as text): it restyles nothing, adds no line."""
+    a, b = (copy_dump(dump(*SMALL), tmp_path / side) for side in "ab")
+    kind = first_record(json.loads((a / "rank-00000" / "manifest.json").read_text()))["kind"]
+    for side in (a, b):
+        edit_json(side / "rank-00000" / "manifest.json", lambda m: first_record(m).update(name=HOSTILE_NAME))
+    perturb(b, kind, HOSTILE_NAME, rank=0, scale=1.0)
+    for fmt in ("table", "plain", "markdown"):
+        result = invoke("compare", a, b, "--format", fmt)
+        assert result.exit_code == 1, result.output
+        lines = result.output.splitlines()
+        assert "\x1b" not in result.output and not any(line.startswith("all compared") for line in lines), lines
+        assert f"first divergence: {kind} {HOSTILE_SHOWN}" in lines, lines
+        assert fmt == "table" or any(HOSTILE_SHOWN in line and "FAIL" in line for line in lines), lines
+    edit_json(b / "rank-00000" / "manifest.json", lambda m: first_record(m).update(dtype="float16"))
+    result = invoke("compare", a, b)
+    assert HOSTILE_SHOWN in error_line(result) and result.output.count("\n") == 1, result.output
 
 
 def test_a_fifo_named_as_the_tensor_file_does_not_hang(dump, victim):
