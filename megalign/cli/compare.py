@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
-from rich.markup import escape
 
 from megalign.compare.explain import explain
 from megalign.compare.metrics import TensorMetrics
@@ -24,8 +23,7 @@ from megalign.dump.format import Kind
 from megalign.errors import UserError
 from megalign.cli.rollout import print_rollout
 from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural, print_table, reader_may_leave,
-                                 resolve_format,
-                                 use_color)
+                                 resolve_format, shown, use_color)
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
                  NOT_REASSEMBLABLE: "bold magenta", SKIPPED: "magenta", APART: "yellow",
@@ -162,7 +160,7 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     with reader_may_leave():
         for side, path, source in (("A", a, report.a), ("B", b, report.b), ("R", reference, source_r)):
             if source is not None:
-                console.print(f"[bold]{side}[/] {escape(str(path))}: {escape(source.description)}"
+                console.print(f"[bold]{side}[/] {shown(str(path))}: {shown(source.description)}"
                               + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
         _print_dtypes(report)
         console.print()
@@ -195,7 +193,7 @@ def run_explain(inputs: list[tuple[str, Path]], name: str) -> int:
         fail(str(e), e.exit_code)
     with reader_may_leave():
         for line in lines:
-            console.print(escape(line), highlight=False, soft_wrap=True)
+            console.print(shown(line), highlight=False, soft_wrap=True)
         sys.stdout.flush()
     return 0
 
@@ -289,17 +287,17 @@ def _print_summary(report: Report, judging: Judging) -> None:
     allowed = s.allowed_by_op_map + s.allowed_by_pattern
     if allowed:
         by = ([f"{s.allowed_by_op_map} by the cross-stack op map"] if s.allowed_by_op_map else []) + \
-             ([f"{s.allowed_by_pattern} by --allow-missing {escape(repr(judging.allow_missing))}"]
+             ([f"{s.allowed_by_pattern} by --allow-missing {shown(repr(judging.allow_missing))}"]
               if s.allowed_by_pattern else [])
         parts.append(f"[yellow]{allowed} only in one side allowed[/]: {' and '.join(by)}")
     if s.not_reassemblable:
         parts.append(f"[bold magenta]{s.not_reassemblable} not reassemblable[/]")
     if s.skipped:
         parts.append(f"[magenta]{s.skipped} skipped[/] (not reassemblable, allowed by --allow-skipped "
-                     f"{escape(repr(judging.allow_skipped))})")
+                     f"{shown(repr(judging.allow_skipped))})")
     if s.unverifiable:
         names = ", ".join(f"{row.kind} {row.name}" for row in report.rows if row.status == UNVERIFIABLE)
-        parts.append(f"[yellow]{s.unverifiable} unverifiable[/] ({escape(names)}: what the values stand for is not "
+        parts.append(f"[yellow]{s.unverifiable} unverifiable[/] ({shown(names)}: what the values stand for is not "
                      "recorded; no divergence)")
     if s.apart:
         parts.append(f"[yellow]{s.apart} not lined up[/] (positions, attention weights or tokens of "
@@ -307,19 +305,19 @@ def _print_summary(report: Report, judging: Judging) -> None:
     console.print(", ".join(parts), highlight=False, soft_wrap=True)
     if s.nonfinite_in_both:
         verdict = "failed (--strict-nonfinite)" if judging.strict_nonfinite else "not failed"
-        console.print(f"[bold yellow]NaN/Inf in both:[/] {escape(', '.join(s.nonfinite_in_both))} ({verdict})",
+        console.print(f"[bold yellow]NaN/Inf in both:[/] {shown(', '.join(s.nonfinite_in_both))} ({verdict})",
                       highlight=False, soft_wrap=True)
     for whole in s.rescaled + [pool for pool in s.small_scale if pool.off]:
-        console.print(f"[bold red]rescaled:[/] {escape(whole.note())}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]rescaled:[/] {shown(whole.note())}", highlight=False, soft_wrap=True)
     for pool in s.small_scale:
         if not pool.off:
-            console.print(f"[yellow]scale unverified:[/] {escape(pool.note())}", highlight=False, soft_wrap=True)
+            console.print(f"[yellow]scale unverified:[/] {shown(pool.note())}", highlight=False, soft_wrap=True)
     if s.first_routing_flip:
-        console.print(f"[bold red]routing flip:[/] {escape(s.first_routing_flip)}: the tensors after it see other "
+        console.print(f"[bold red]routing flip:[/] {shown(s.first_routing_flip)}: the tensors after it see other "
                       "experts", highlight=False, soft_wrap=True)
     if s.first_divergence:
-        console.print(f"[bold red]first divergence:[/] {escape(s.first_divergence)}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]first divergence:[/] {shown(s.first_divergence)}", highlight=False, soft_wrap=True)
         per_kind = "; ".join(f"{kind} {name}" for kind, name in s.first_failure_by_kind.items())
-        console.print(f"first failure per kind: {escape(per_kind)}", highlight=False, soft_wrap=True)
+        console.print(f"first failure per kind: {shown(per_kind)}", highlight=False, soft_wrap=True)
     else:
         console.print("[green]all compared tensors within threshold[/]", highlight=False, soft_wrap=True)

@@ -5,7 +5,9 @@ NO_COLOR) it is plain text aligned to its content, and `markdown` gives a GitHub
 comment. Cells are never cut. A terminal too narrow for the whole table takes the caller's steps,
 in order, until it fits (`_fit`): a column folds onto more lines (between words, so that a number is
 never split; a `wraps` column anywhere, down to FOLD_MIN characters), or is left out (a `footnote`
-column's cells are then printed under the table).
+column's cells are then printed under the table). Text from outside (names from a dump, messages
+naming them) reaches the terminal through `shown` or `printable` only: it can neither restyle the
+terminal nor add a line.
 """
 
 from __future__ import annotations
@@ -13,23 +15,32 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass
-from typing import Iterator, NoReturn, Optional, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Iterable, Iterator, NoReturn, Optional, Sequence, Union
 
 import typer
 from rich import box
 from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
+from rich.segment import Segment
 from rich.table import Table
 
 class _Console(Console):
+    """No colour (--no-color, NO_COLOR) is no style at all: rich's own no_color mode drops the colours
+    and still writes bold and the other attributes."""
+
+    def _render_buffer(self, buffer: Iterable[Segment]) -> str:
+        return super()._render_buffer(Segment.strip_styles(buffer) if self.no_color else buffer)
+
+
+class _Stdout(_Console):
     def on_broken_pipe(self) -> None:
         raise BrokenPipeError  # rich's own exits 1, whatever the verdict: reader_may_leave handles it
 
 
-console = _Console()
-err_console = Console(stderr=True)
+console = _Stdout()
+err_console = _Console(stderr=True)
 
 FORMATS = ("auto", "table", "plain", "markdown")
 FOLD_MIN = 20  # the narrowest a `wraps` column folds to: a long name stays readable, a few lines tall
@@ -41,7 +52,7 @@ Step = tuple[str, Union[str, int]]
 
 def fail(message: str, code: int) -> NoReturn:
     """Print `error: message` in red on stderr and exit with `code`."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {shown(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -59,6 +70,20 @@ def reader_may_leave() -> Iterator[None]:
         os.close(devnull)
 
 
+def shown(text: str) -> str:
+    """Text from outside (a name from a dump, a message naming one) as rich markup: printable, markup escaped."""
+    return escape(printable(text))
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal acts on (ESC, a newline, ...) written as a Python string
+    literal writes it (`\\x1b`, `\\n`): a name from a dump would otherwise restyle the terminal, or put a
+    line of its own into the report."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def plural(count: int, word: str) -> str:
     return f"{count} {word}{'' if count == 1 else 's'}"
 
@@ -72,7 +97,7 @@ def human_bytes(n: int) -> str:
 
 
 def use_color(no_color: bool) -> None:
-    """--no-color (or NO_COLOR, which rich reads itself) turns styles off on both consoles."""
+    """--no-color (or NO_COLOR, which rich reads itself) turns every style off on both consoles."""
     if no_color:
         console.no_color = err_console.no_color = True
 
@@ -105,6 +130,7 @@ def print_table(columns: Sequence[Column], rows: Sequence[Sequence[Cell]], fmt: 
     `narrowing`: the steps a terminal table takes, in order, while it is too wide. A terminal too
     narrow for the table after every step gets plain text, whose long lines it wraps: rich would
     squeeze the columns further and split numbers."""
+    rows = [[replace(cell, text=printable(cell.text)) for cell in row] for row in rows]  # names from a dump
     widths = _fit(columns, rows, console.width, narrowing) if fmt == "table" else []
     if fmt == "table" and _width(widths) <= console.width:
         console.print(_rich_table(columns, rows, widths, highlight))

@@ -4,9 +4,8 @@ response); where the mismatch sits; and, when the logprobs diverged, the cause t
 
 from __future__ import annotations
 
-from rich.markup import escape
 
-from megalign.cli.render import Cell, Column, console, print_table, resolve_format
+from megalign.cli.render import Cell, Column, console, print_table, resolve_format, shown
 from megalign.compare.rollout_findings import RolloutFindings
 
 COLUMNS = (Column("seq", right=True), Column("tokens", right=True), Column("k3 KL", right=True),
@@ -42,7 +41,7 @@ def print_rollout(findings: RolloutFindings, fmt: str) -> None:
         return
     console.print()
     for cause in findings.causes:
-        console.print(f"[bold red]cause:[/] {escape(cause)}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]cause:[/] {shown(cause)}", highlight=False, soft_wrap=True)
     if not findings.causes:
         console.print("cause: none of the known ones (temperature, top-p/top-k renormalisation, a one-position "
                       "shift) explains the logprobs' gap", highlight=False, soft_wrap=True)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
@@ -24,7 +23,7 @@ from megalign.run.launch import (RunResult, check_options, launch, run_here, run
 from megalign.run.plan import plan_run
 from megalign.stacks.batch import batch_rows
 from megalign.stacks.dist_checkpoint import MODEL_FILE
-from megalign.cli.render import console, err_console, fail, human_bytes, plural
+from megalign.cli.render import console, err_console, fail, human_bytes, plural, shown
 
 
 def run_command(mode: Mode):
@@ -166,4 +165,4 @@ def _summary(spec, result: RunResult, stack: str) -> None:
         lines.append(("loss", f"{result.loss:.6f}"))
     lines.append(("time", f"{result.seconds:.1f} s"))
     for key, value in lines:
-        console.print(f"[bold]{key:<8}[/] {escape(value)}", highlight=False, soft_wrap=True)
+        console.print(f"[bold]{key:<8}[/] {shown(value)}", highlight=False, soft_wrap=True)

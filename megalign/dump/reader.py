@@ -56,13 +56,15 @@ class Dump:
         rows, step_rows = check_rows(meta, layout, str(meta_path))
         ranks = []
         for rank in range(meta["world_size"]):
-            manifest_path = path / rank_dirname(rank) / MANIFEST
+            manifest_path = _rank_dir(path, rank) / MANIFEST
             if not manifest_path.is_file():
                 raise UserError(f"{path}: incomplete dump (rank {rank} has no {MANIFEST})")
             coords, records, extra = check_manifest(_read_json(manifest_path), str(manifest_path), rank,
                                                     layout, manifest_path.parent)
             ranks.append(RankManifest(dir=manifest_path.parent, coords=coords, records=records, extra=extra))
-        return cls(path, meta, layout, ranks, rows, step_rows)
+        dump = cls(path, meta, layout, ranks, rows, step_rows)
+        dump._locate_all()
+        return dump
 
     def rows_at(self, step: Optional[int]) -> Optional[list[BatchRow]]:
         """The rows of the batch the records of `step` (None: of a dump that names no steps) were made from."""
@@ -94,6 +96,14 @@ class Dump:
             location = self._located[key] = self._locate(rank, record)
         return location
 
+    def _locate_all(self) -> None:
+        """Every record's bytes checked to lie in its file now, whether or not they are read later: a
+        replica whose hash equals the first copy's is never read (compare/plan.py), and a file cut short
+        inside it would pass."""
+        for rank, record in self.records():
+            if record.file is not None:
+                self.locate(rank, record)
+
     def _locate(self, rank: RankManifest, record: TensorRecord) -> Location:
         if record.file is None:
             raise UserError(f"{self.path}: {record.name} was dumped with --stats-only and has no values")
@@ -112,6 +122,18 @@ class Dump:
         tensor = torch.empty(location.shape, dtype=location.dtype)
         read_into(location, tensor)
         return tensor
+
+
+def _rank_dir(path: Path, rank: int) -> Path:
+    """A rank's folder: a link to one inside the dump is followed, one out of it (into another dump) refused."""
+    rank_dir = path / rank_dirname(rank)
+    try:
+        target = rank_dir.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a loop of links (Python < 3.13)
+        raise UserError(f"{rank_dir}: unreadable ({e})") from None
+    if not target.is_relative_to(path.resolve()):
+        raise UserError(f"{rank_dir}: a link out of the dump (to {target}); a rank folder must lie inside it")
+    return rank_dir
 
 
 def _read_json(path: Path):

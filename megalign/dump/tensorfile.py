@@ -185,6 +185,9 @@ def _entry(header: dict, key: str, data_size: int) -> tuple[torch.dtype, list[in
     numel = 1
     for n in shape:
         numel *= n
-    if not 0 <= begin <= end <= data_size or end - begin != numel * dtype.itemsize:
+    if not 0 <= begin <= end or end - begin != numel * dtype.itemsize:
         raise _Unreadable(f"tensor {key!r}: data_offsets {offsets} do not hold {shape} of {name}")
+    if end > data_size:
+        raise _Unreadable(f"tensor {key!r}: data_offsets {offsets} end past the file's {data_size} bytes of data "
+                          "(the file is cut short)")
     return dtype, shape, begin, end

@@ -1,14 +1,22 @@
 """The terminal table (`--format table`) at 80, 120 and 200 columns: never a number cut, never a name
-lost, the least useful columns giving way first, and the dtypes said once above the table."""
+lost, the least useful columns giving way first, and the dtypes said once above the table. With
+--no-color or NO_COLOR, a terminal gets no style at all."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pty
+import subprocess
+import sys
 
 import pytest
+import torch
 from compare_fixtures import CP1, copy_dump
 from conftest import invoke, rescale
 from rich.cells import cell_len
+from safetensors.torch import save_file
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +90,33 @@ def test_a_terminal_too_narrow_for_any_table_gets_plain_text(report, tmp_path):
     for i, r in enumerate(rows):
         line = next(line for line in lines if line.split()[:1] == [str(i)] and r["name"] in line.split())
         assert f"{r['metrics']['rel_diff']:.3g}" in line.split() and _shape_text(r) in line.split()
+
+
+def in_a_terminal(*args, env: dict) -> str:
+    """What `megalign ARGS` writes, stdout and stderr, to a colour terminal (a pseudo-terminal): a pipe
+    gets no styles whatever the options."""
+    leader, follower = pty.openpty()
+    base = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR")}
+    process = subprocess.Popen([sys.executable, "-m", "megalign", *map(str, args)], stdin=subprocess.DEVNULL,
+                               stdout=follower, stderr=follower, env={**base, "TERM": "xterm-256color", **env})
+    os.close(follower)
+    written = b""
+    with contextlib.suppress(OSError):  # EIO once the command has closed the terminal
+        while chunk := os.read(leader, 1 << 16):
+            written += chunk
+    os.close(leader)
+    process.wait(timeout=120)
+    return written.decode()
+
+
+def test_no_color_is_no_style_in_a_terminal(tmp_path):
+    """rich's no_color dropped the colours and kept bold: the report's `A`, the error's `error:`."""
+    tensor_files = tmp_path / "files"
+    tensor_files.mkdir()
+    save_file({"x": torch.ones(3)}, str(tensor_files / "a.safetensors"))
+    assert "\x1b[1mA" in in_a_terminal("compare", tensor_files, tensor_files, env={})
+    for options, env in (((), {"NO_COLOR": "1"}), (("--no-color",), {})):
+        report = in_a_terminal("compare", tensor_files, tensor_files, *options, env=env)
+        error = in_a_terminal("compare", tensor_files, tmp_path / "missing", *options, env=env)
+        assert "all compared tensors within threshold" in report and "error:" in error, report + error
+        assert "\x1b[" not in report + error, (options, env, repr(report + error))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from compare_fixtures import CP1, CP2, copy_dump
-from conftest import invoke
+from compare_fixtures import CP1, CP2, copy_dump, perturb
+from conftest import error_line, invoke
 from safetensors.torch import save_file
 
 SMALL = ("forward", "--filter", r"^decoder\.layers\.1\.mlp$|^logits$")  # a few tensors, quick to copy and read
@@ -116,6 +116,23 @@ def test_a_tensor_file_whose_header_lies_is_exit_2(dump, victim):
     exit_2(invoke("compare", dump(*SMALL), victim), "unreadable tensor file")
 
 
+def test_a_file_cut_short_inside_a_replica_is_exit_2(dump, tmp_path):
+    """CP ranks hold every parameter gradient whole, rank 1's with rank 0's hash, so rank 1's bytes are never
+    read: a file cut short inside them passed. Every record's bytes must lie in its file, read or not."""
+    whole, cut = copy_dump(dump(*CP2), tmp_path / "whole"), copy_dump(dump(*CP2), tmp_path / "cut")
+    assert invoke("compare", dump(*CP2), whole).exit_code == 0
+    manifests = [json.loads((cut / f"rank-0000{r}" / "manifest.json").read_text()) for r in (0, 1)]
+    replica = next(t for t in manifests[1]["tensors"] if t["name"] == "output_layer.weight")
+    assert replica["hash"] == next(t for t in manifests[0]["tensors"] if t["name"] == "output_layer.weight")["hash"]
+    tensor_file = cut / "rank-00001" / replica["file"]
+    raw = tensor_file.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8:8 + length])[replica["key"]]["data_offsets"]
+    tensor_file.write_bytes(raw[:8 + length + (begin + end) // 2])
+    exit_2(invoke("compare", dump(*CP2), cut), f"{tensor_file}: unreadable tensor file (tensor {replica['key']!r}: "
+                                                f"data_offsets [{begin}, {end}] end past the file's")
+
+
 def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
     """The outside file holds exactly the tensor the record names: reading it would pass."""
     manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())
@@ -136,6 +153,47 @@ def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
     record["file"] = "link.safetensors"
     (victim / "rank-00000" / "manifest.json").write_text(json.dumps(manifest))
     exit_2(invoke("compare", dump(*SMALL), victim), "is not a regular file")
+
+
+def test_a_rank_folder_linked_out_of_the_dump_is_refused(dump, victim, tmp_path):
+    """A rank folder that is a link to another dump's: the other dump's tensors would be compared as this
+    one's (the same run's here: it would pass). A link that stays inside the dump is followed."""
+    rank = victim / "rank-00000"
+    (victim / "ranks").mkdir()
+    rank.rename(victim / "ranks" / "rank-00000")
+    rank.symlink_to(Path("ranks") / "rank-00000")
+    assert invoke("compare", dump(*SMALL), victim).exit_code == 0
+    rank.unlink()
+    rank.symlink_to(dump(*SMALL) / "rank-00000")
+    exit_2(invoke("compare", dump(*SMALL), victim), f"{rank}: a link out of the dump (to {dump(*SMALL).resolve()}")
+    rank.unlink()
+    rank.symlink_to(rank.name)  # a link to itself
+    exit_2(invoke("compare", dump(*SMALL), victim), f"{rank}: unreadable (")
+
+
+# Clears the screen, turns the text red, then fakes the summary of a passing comparison on a line of its own.
+HOSTILE_NAME = "decoder.layers.1.mlp\x1b[2J\x1b[31m\nall compared tensors within threshold [bold]"
+HOSTILE_SHOWN = r"decoder.layers.1.mlp\x1b[2J\x1b[31m\nall compared tensors within threshold [bold]"
+
+
+def test_a_name_from_a_dump_reaches_the_terminal_escaped(dump, tmp_path):
+    """In the table's row (each format), the first-divergence line and an error line, the name is shown
+    with its control characters written out (and rich's markup as text): it restyles nothing, adds no line."""
+    a, b = (copy_dump(dump(*SMALL), tmp_path / side) for side in "ab")
+    kind = first_record(json.loads((a / "rank-00000" / "manifest.json").read_text()))["kind"]
+    for side in (a, b):
+        edit_json(side / "rank-00000" / "manifest.json", lambda m: first_record(m).update(name=HOSTILE_NAME))
+    perturb(b, kind, HOSTILE_NAME, rank=0, scale=1.0)
+    for fmt in ("table", "plain", "markdown"):
+        result = invoke("compare", a, b, "--format", fmt)
+        assert result.exit_code == 1, result.output
+        lines = result.output.splitlines()
+        assert "\x1b" not in result.output and not any(line.startswith("all compared") for line in lines), lines
+        assert f"first divergence: {kind} {HOSTILE_SHOWN}" in lines, lines
+        assert fmt == "table" or any(HOSTILE_SHOWN in line and "FAIL" in line for line in lines), lines
+    edit_json(b / "rank-00000" / "manifest.json", lambda m: first_record(m).update(dtype="float16"))
+    result = invoke("compare", a, b)
+    assert HOSTILE_SHOWN in error_line(result) and result.output.count("\n") == 1, result.output
 
 
 def test_a_fifo_named_as_the_tensor_file_does_not_hang(dump, victim):
