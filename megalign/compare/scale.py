@@ -19,7 +19,8 @@ ratios both ways: the median ratio of a kind's tensors (check_kinds) reads the f
 a percent, and fails the kind as a whole.
 
 Where a tensor is so small that its tolerance is UNVERIFIED or wider (a bf16 norm gradient of 64
-elements: 9/8), its check verifies nothing it is for: a factor 1.5 passes. Such a row says so, and a
+elements: 9/8), and its threshold lets a factor 1.5 through too (bf16 gradients: 0.1 against 0.077),
+nothing verifies its scale. Such a row says so, and a
 step's small tensors of one kind are judged together (check_small): their pooled norm ratio,
 sqrt(sum |B|^2 / sum |A|^2), against the tolerance their own ones give the pool, sqrt(sum (w*t)^2)
 for weights w = |A|^2 / sum |A|^2 (independent deviations, each of tolerance t, averaged with those
@@ -67,10 +68,8 @@ class Scale:
     tolerance: float  # the deviation either ratio may have
     off: bool
     precision: str  # the comparison's, which set the tolerance
-
-    @property
-    def unverified(self) -> bool:
-        return self.tolerance >= UNVERIFIED
+    # The tolerance lets a factor 1.5 through, and so does the row's threshold: nothing verifies the scale.
+    unverified: bool = False
 
     def note(self) -> str:
         sums = f", sum ratio {self.sum_ratio:.6g}" if self.sum_ratio is not None else ""
@@ -85,8 +84,10 @@ def tolerance(precision: str, n: int) -> float:
     return max(floor, spread / math.sqrt(max(n, 1)))
 
 
-def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetrics]) -> Optional[Scale]:
-    """The scale check of a pair of `n` elements each (values, or --stats-only summaries); None at fp64."""
+def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetrics],
+                threshold: float) -> Optional[Scale]:
+    """The scale check of a pair of `n` elements each (values, or --stats-only summaries) whose relative
+    difference may reach `threshold`; None at fp64."""
     if precision not in TOLERANCE:
         return None
     sums = (metrics.sum_a, metrics.sum_b) if isinstance(metrics, TensorMetrics) else \
@@ -94,7 +95,10 @@ def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetri
     norm_ratio, sum_ratio = ratios(n, (metrics.norm_a, metrics.norm_b), sums)
     limit = tolerance(precision, n)
     off = any(not (deviation(r) <= limit) for r in (norm_ratio, sum_ratio) if r is not None)
-    return Scale(norm_ratio=norm_ratio, sum_ratio=sum_ratio, tolerance=limit, off=off, precision=precision)
+    # y = s*x has the relative difference (s-1)^2 / (1+s^2) (metrics.py): what a threshold lets through.
+    unverified = limit >= UNVERIFIED and threshold >= UNVERIFIED ** 2 / (1 + (1 + UNVERIFIED) ** 2)
+    return Scale(norm_ratio=norm_ratio, sum_ratio=sum_ratio, tolerance=limit, off=off, precision=precision,
+                 unverified=unverified)
 
 
 @dataclass

@@ -187,11 +187,14 @@ def _judge_kinds(rows: list[Row]) -> tuple[list[KindScale], list[SmallScale]]:
             if not row.scale.off:  # a row off on its own says so already
                 row.notes.append(group.row_note())
             row.status = FAIL
+    said = []
     for pool, indices in pools:
-        if pool.unverified and not pool.off:
-            for row in (rows[index] for index in indices):
-                row.notes.append(row.scale.unverified_note())
-    return [whole for whole, _ in off], [pool for pool, _ in pools if pool.off or pool.unverified]
+        unverified = [rows[index] for index in indices if rows[index].status == PASS] if pool.unverified else []
+        for row in unverified if not pool.off else []:  # a failed row's scale was judged otherwise
+            row.notes.append(row.scale.unverified_note())
+        if pool.off or unverified:
+            said.append(pool)
+    return [whole for whole, _ in off], said
 
 
 def _check_something_compared(report: Report) -> None:
@@ -411,7 +414,7 @@ class _Comparison:
                 diverged = row.reference.off is not None
                 row.threshold = None  # the reference judged this row, not a threshold
         if row.reference is None and not self.thresholds.overrides(pair.name):
-            row.scale = check_scale(precision, math.prod(x.shape), m)
+            row.scale = check_scale(precision, math.prod(x.shape), m, row.threshold)
         if row.scale is not None and row.scale.off:
             diverged = True
             row.notes.append(row.scale.note())
