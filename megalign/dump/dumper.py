@@ -161,8 +161,10 @@ class Dumper:
         self._record(kind, name, tensor, sharding, module=module, stable=stable)
 
     def _record(self, kind: str, name: str, tensor: torch.Tensor, sharding: Optional[Sharding] = None, *,
-                module: Optional[str] = None, stable: bool = False, unless_zero: bool = False) -> None:
-        """add(); `unless_zero`: left out of the dump if its statistics say it is all zero."""
+                module: Optional[str] = None, stable: bool = False, unless_zero: bool = False,
+                call: Optional[int] = None) -> None:
+        """add(); `unless_zero`: left out of the dump if its statistics say it is all zero; `call`: an
+        activation gradient's forward call (TensorRecord.call)."""
         if not self._writing:
             return
         if kind not in KINDS:
@@ -174,21 +176,24 @@ class Dumper:
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
             tensor, sharding = local_piece(tensor)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
-                         layer=layer_of(module or name), stable=stable, unless_zero=unless_zero)
+                         layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call)
 
     def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
                    module: Optional[str] = None, grad: bool = True) -> None:
         """add() a module's output `tensor` (through `view`, if any) as (kind, name) and, with `grad`,
         its gradient as activation_grad when backward reaches it. A leaf, a parameter the module
         returns as it is (megatron's linears return their skipped bias so), gets no gradient: that
-        is the parameter's, summed over this rank's tokens only, whole in param_grad."""
+        is the parameter's, summed over this rank's tokens only, whole in param_grad. The gradient
+        takes this call's place among the name's repeats, however late backward reaches it."""
         view = view or (lambda t: t)
+        call = len(self.records)  # the order this call's output is recorded at
         if self.wants(kind, name):
             self.add(kind, name, view(tensor), sharding, module=module)
         if grad and tensor.requires_grad and not tensor.is_leaf and self.wants("activation_grad", name):
             def on_grad(gradient: Optional[torch.Tensor]) -> None:
                 if gradient is not None:
-                    self.add("activation_grad", name, view(gradient), sharding, module=module)
+                    self._check_open("add")
+                    self._record("activation_grad", name, view(gradient), sharding, module=module, call=call)
 
             tensor.register_hook(on_grad)
 

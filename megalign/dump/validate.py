@@ -186,7 +186,8 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
                         module=record.get("module") if isinstance(record.get("module"), str) else None,
                         layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
                         file=file, key=key, stats=None if stats is None else _stats(stats, where),
-                        hash=_hash(record.get("hash"), where))
+                        hash=_hash(record.get("hash"), where),
+                        call=_optional_int(record.get("call"), f"{where}: call"))
 
 
 def _hash(raw: Any, where: str) -> Optional[str]:
