@@ -123,13 +123,21 @@ def precision_name(dtype: str) -> Optional[str]:
 
 
 # A name recorded again (a module called twice, a name added again) is read back as `name@1`, `name@2`,
-# ...: the one rule for a repeat's name.
+# ...: the one rule for a repeat's name. A name given to a writer may not end so, or it would be read
+# as another name's repeat (RankWriter refuses it, the reader too).
 REPEAT = re.compile(r"@\d+$")
 
 
 def repeat_name(name: str, repeat: int) -> str:
     """The name of the `repeat`th record of `name` (0: the first, named plainly)."""
     return name if repeat == 0 else f"{name}@{repeat}"
+
+
+def check_name(name: str) -> Optional[str]:
+    """Why `name` cannot be a tensor's name (it reads as a repeat), or None."""
+    if "@" in name and REPEAT.search(name):
+        return f"{name!r} ends as megalign names a name's repeats (name@1, name@2, ...): give it another name"
+    return None
 
 
 _LAYER = re.compile(r"layers\.(\d+)(?:\.|$)")

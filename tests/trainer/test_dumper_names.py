@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import megalign
-from tests.conftest import invoke
+from megalign.dump.format import MANIFEST
+from tests.conftest import error_line, invoke
 
 
 def micro_batches(out: Path, *, one_backward: bool, second_scaled: float = 1.0) -> None:
@@ -70,3 +72,30 @@ def test_a_module_called_twice_gets_each_call_s_gradient_under_its_name(tmp_path
     assert torch.equal(dump.tensor("activation", "block@1"), out.detach())
     torch.testing.assert_close(dump.tensor("activation_grad", "block@1"), 2 * out.detach())
     assert not torch.allclose(dump.tensor("activation_grad", "block"), 2 * out.detach())
+
+
+def test_a_name_that_reads_as_a_repeat_is_refused(tmp_path):
+    """`x` added twice is read back as x and x@1: a literal `x@1` beside them fell into the repeat's
+    entry, and one of the two was never compared (3 tensors, "2 compared, 2 passed"). The writer
+    refuses such a name; a dump written before it did is refused whole (exit 2): which tensor is
+    which cannot be told."""
+    with pytest.raises(ValueError, match="activation 'x@1' ends as megalign names a name's repeats"):
+        with megalign.Dumper(tmp_path / "refused") as dumper:
+            dumper.add("activation", "x", torch.ones(2))
+            dumper.add("activation", "x@1", torch.zeros(2))
+    assert list(tmp_path.iterdir()) == []
+    with megalign.Dumper(tmp_path / "older") as dumper:  # as an older megalign wrote it
+        for name, value in (("x", 1.0), ("x", 2.0), ("x_1", 3.0)):
+            dumper.add("activation", name, torch.full((2,), value))
+    manifest = tmp_path / "older" / "rank-00000" / MANIFEST
+    manifest.write_text(manifest.read_text().replace('"x_1"', '"x@1"'))
+    result = invoke("compare", tmp_path / "older", tmp_path / "older")
+    assert result.exit_code == 2, result.output
+    assert error_line(result).endswith("tensors[2]: name: 'x@1' ends as megalign names a name's repeats "
+                                       "(name@1, name@2, ...): give it another name")
+    # Names given twice, and nothing else, are read back as before, against themselves too.
+    with megalign.Dumper(tmp_path / "twice") as dumper:
+        for value in (1.0, 2.0):
+            dumper.add("activation", "x", torch.full((2,), value))
+    assert megalign.open(tmp_path / "twice").tensor("activation", "x@1").tolist() == [2.0, 2.0]
+    assert invoke("compare", tmp_path / "twice", tmp_path / "twice").exit_code == 0
