@@ -99,3 +99,65 @@ def test_a_name_that_reads_as_a_repeat_is_refused(tmp_path):
             dumper.add("activation", "x", torch.full((2,), value))
     assert megalign.open(tmp_path / "twice").tensor("activation", "x@1").tolist() == [2.0, 2.0]
     assert invoke("compare", tmp_path / "twice", tmp_path / "twice").exit_code == 0
+
+
+class Down(torch.nn.Linear):
+    """A linear layer as TP=2 computes it (`parts=2`): each rank's half of the input features
+    multiplied, the halves summed; `planted`: the bug, the second half scaled."""
+
+    def __init__(self, *shape: int, parts: int, planted: float = 1.0):
+        super().__init__(*shape)
+        self.parts, self.planted = parts, planted
+
+    def forward(self, x):
+        pieces = zip(x.chunk(self.parts, -1), self.weight.chunk(self.parts, -1), (1.0, self.planted))
+        return sum(torch.nn.functional.linear(xk, wk) * scale for xk, wk, scale in pieces) + self.bias
+
+
+def autocast_step(out: Path, parts: int, planted: float = 1.0) -> None:
+    """One bf16 autocast step of a small MLP whose middle linear is computed in `parts`."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), Down(64, 64, parts=parts, planted=planted),
+                                torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(8, 32)
+    with megalign.Dumper(out) as dumper:
+        dumper.watch(model)
+        with dumper.step(0):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().mean()
+            dumper.add("loss", "loss", loss.detach())
+            loss.backward()
+
+
+def test_an_autocast_step_is_judged_at_bf16(tmp_path):
+    """Its parameter gradients are fp32, and dump.json said fp32 (the widest dtype recorded): bf16's
+    rounding of a matmul split as TP=2 splits it failed at fp32's thresholds (10 of 17 tensors)."""
+    autocast_step(tmp_path / "whole", parts=1)
+    autocast_step(tmp_path / "halves", parts=2)
+    assert megalign.open(tmp_path / "halves").meta["dtype"] == "bf16"
+    result = invoke("compare", tmp_path / "whole", tmp_path / "halves")
+    assert result.exit_code == 0, result.output
+    assert "17 compared, 17 passed, 0 failed\n" in result.output
+    # The failing twin: one half scaled is caught where it is computed.
+    autocast_step(tmp_path / "planted", parts=2, planted=1.5)
+    result = invoke("compare", tmp_path / "whole", tmp_path / "planted")
+    assert result.exit_code == 1, result.output
+    assert "first divergence: activation 2\n" in result.output
+
+
+def test_a_dumper_is_told_the_precision_it_cannot_see(tmp_path):
+    """Tensors computed in bf16 and upcast before add(): `dtype="bf16"` sets the thresholds of bf16."""
+    h = torch.linspace(-1, 1, 64)
+    for name, error, dtype in (("a", 1.0, "bf16"), ("b", 1.004, torch.bfloat16), ("fp32", 1.004, None)):
+        with megalign.Dumper(tmp_path / name, dtype=dtype) as dumper:
+            dumper.add("activation", "h", h * error)
+    assert [megalign.open(tmp_path / name).meta["dtype"] for name in ("a", "b", "fp32")] == ["bf16", "bf16", "fp32"]
+    assert invoke("compare", tmp_path / "a", tmp_path / "b").exit_code == 0
+    assert invoke("compare", tmp_path / "a", tmp_path / "fp32").exit_code == 0  # either side 16-bit: bf16's row
+    # The failing twin: 30% off fails bf16's row too.
+    with megalign.Dumper(tmp_path / "off", dtype="bf16") as dumper:
+        dumper.add("activation", "h", h * 1.3)
+    assert invoke("compare", tmp_path / "a", tmp_path / "off").exit_code == 1
+    with pytest.raises(ValueError, match="dtype: one of fp16, bf16, fp32, fp64 or a torch float dtype, got 'int8'"):
+        megalign.Dumper(tmp_path / "refused", dtype="int8")
+    assert not (tmp_path / "refused").exists() and not (tmp_path / "refused.partial").exists()
