@@ -182,8 +182,8 @@ class Dumper:
             if sharding not in (None, Sharding()):
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
             tensor, sharding = local_piece(tensor)
-        if tensor.is_floating_point() and torch.is_autocast_enabled(tensor.device.type):
-            self._autocast.add(precision_name(dtype_name(torch.get_autocast_dtype(tensor.device.type))))
+        if (precision := _autocast_precision(tensor)) is not None:
+            self._autocast.add(precision)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call)
 
@@ -626,6 +626,14 @@ def _stated_precision(dtype: Union[str, torch.dtype]) -> str:
     if precision is None:
         raise ValueError(f"dtype: one of {', '.join(PRECISIONS)} or a torch float dtype, got {dtype!r}")
     return precision
+
+
+def _autocast_precision(tensor: torch.Tensor) -> Optional[str]:
+    """The precision torch.autocast computes in, where `tensor` is recorded inside its block."""
+    device = tensor.device.type  # on a device without autocast (meta), is_autocast_enabled raises
+    if tensor.is_floating_point() and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return precision_name(dtype_name(torch.get_autocast_dtype(device)))
+    return None
 
 
 def _step_number(n) -> int:
