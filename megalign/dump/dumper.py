@@ -44,8 +44,8 @@ import torch.distributed as dist
 from megalign.dump.coverage import have_gradients, read_grad
 from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
 from megalign.dump.dtensor import is_dtensor, local_piece
-from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, dtype_name, layer_of,
-                                  precision_name, write_json_atomic)
+from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
+                                  layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
@@ -172,6 +172,8 @@ class Dumper:
                 call: Optional[int] = None) -> None:
         """add(); `unless_zero`: left out of the dump if its statistics say it is all zero; `call`: an
         activation gradient's forward call (TensorRecord.call)."""
+        if reason := check_name(name):  # in every step, not first in the one chosen, long into a run
+            raise ValueError(f"{kind} {reason}")
         if not self._writing:
             return
         if kind not in KINDS:

@@ -124,7 +124,7 @@ def precision_name(dtype: str) -> Optional[str]:
 
 # A name recorded again (a module called twice, a name added again) is read back as `name@1`, `name@2`,
 # ...: the one rule for a repeat's name. A name given to a writer may not end so, or it would be read
-# as another name's repeat (RankWriter refuses it, the reader too).
+# as another name's repeat (the Dumper refuses it, the reader too).
 REPEAT = re.compile(r"@\d+$")
 
 

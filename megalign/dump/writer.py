@@ -21,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from megalign.dump.format import (COMPACT, FORMAT, MANIFEST, VERSION, Kind, RankCoords, TensorRecord, check_name,
-                                  dtype_name, rank_dirname, write_text_atomic)
+from megalign.dump.format import (COMPACT, FORMAT, MANIFEST, VERSION, Kind, RankCoords, TensorRecord, dtype_name,
+                                  rank_dirname, write_text_atomic)
 from megalign.dump.sharding import Sharding
 from megalign.dump.staging import PinnedStaging
 from megalign.dump.stats import SummaryBatch, TensorStats
@@ -84,8 +84,6 @@ class RankWriter:
         step), so it is written from where it is; any other is copied now. `unless_zero` (stats-only):
         the record is left out at close if its statistics say the tensor is all zero. `call`: an
         activation gradient's forward call (TensorRecord.call)."""
-        if reason := check_name(name):
-            raise ValueError(f"{kind} {reason}")
         if not self.wants(kind, name):
             return
         self._raise()

@@ -76,14 +76,15 @@ def test_a_module_called_twice_gets_each_call_s_gradient_under_its_name(tmp_path
 
 def test_a_name_that_reads_as_a_repeat_is_refused(tmp_path):
     """`x` added twice is read back as x and x@1: a literal `x@1` beside them fell into the repeat's
-    entry, and one of the two was never compared (3 tensors, "2 compared, 2 passed"). The writer
+    entry, and one of the two was never compared (3 tensors, "2 compared, 2 passed"). The Dumper
     refuses such a name; a dump written before it did is refused whole (exit 2): which tensor is
     which cannot be told."""
-    with pytest.raises(ValueError, match="activation 'x@1' ends as megalign names a name's repeats"):
-        with megalign.Dumper(tmp_path / "refused") as dumper:
-            dumper.add("activation", "x", torch.ones(2))
-            dumper.add("activation", "x@1", torch.zeros(2))
-    assert list(tmp_path.iterdir()) == []
+    for steps in ("all", [1]):  # refused at once, outside the step chosen too: not first in it
+        with pytest.raises(ValueError, match="activation 'x@1' ends as megalign names a name's repeats"):
+            with megalign.Dumper(tmp_path / "refused", steps=steps) as dumper:
+                dumper.add("activation", "x", torch.ones(2))
+                dumper.add("activation", "x@1", torch.zeros(2))
+        assert list(tmp_path.iterdir()) == []
     with megalign.Dumper(tmp_path / "older") as dumper:  # as an older megalign wrote it
         for name, value in (("x", 1.0), ("x", 2.0), ("x_1", 3.0)):
             dumper.add("activation", name, torch.full((2,), value))
