@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 from megalign.compare.metrics import StatsMetrics, TensorMetrics
+from megalign.dump.format import REPEAT
 
 # precision -> (FLOOR, SPREAD), from SmolLM2-135M, transformers against megatron-core (bench/calibrate.py,
 # docs/compare.md "Verdicts on a real model"); the deviations seen stay under 0.48 (fp32) and 0.69 (bf16) of them.
@@ -57,8 +58,8 @@ WHOLE_LEAST = 8
 WHOLE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.025}
 # A tolerance from which a factor 1.5 passes: the check verifies nothing it is for (check_small).
 UNVERIFIED = 0.5
-# a step's name (step1/...) or a later step's repeat of a name (sources/megalign.py)
-_STEP = re.compile(r"^step\d+/|@\d+$")
+# a step's name (step1/...) or a later step's repeat of a name (a loop's add() outside step blocks)
+_STEP = re.compile(rf"^step\d+/|{REPEAT.pattern}")
 
 
 @dataclass

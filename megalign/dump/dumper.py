@@ -44,8 +44,8 @@ import torch.distributed as dist
 from megalign.dump.coverage import have_gradients, read_grad
 from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
 from megalign.dump.dtensor import is_dtensor, local_piece
-from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, layer_of, precision_name,
-                                  write_json_atomic)
+from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
+                                  layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
@@ -81,14 +81,21 @@ class Dumper:
     plain parameters are replicas, and outputs split on `batch_dim`, over that group only. The
     groups, of one size, split the world into stages, each with names of its own (pipeline stages
     that keep the model's module names); a name several stages hold is read as their replica.
+    `dtype`: the precision the run computed in ("bf16", "fp16", "fp32", "fp64" or a torch float dtype),
+    dump.json's dtype, which sets compare's thresholds, where the Dumper cannot see it (a model cast to
+    bf16 that keeps fp32 gradients, tensors upcast before add()). None: autocast's 16-bit dtype where
+    a tensor was recorded under torch.autocast, else the widest float dtype recorded.
     """
 
     enabled = True
 
     def __init__(self, out, *, overwrite: bool = False, stats_only: bool = False,
                  name_filter: Optional[str] = None, claim: bool = True, steps: Steps = "all",
-                 params: bool = False, dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None):
+                 params: bool = False, dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None,
+                 dtype: Union[str, torch.dtype, None] = None):
         self._choice = choose_steps(steps)
+        self._precision = None if dtype is None else _stated_precision(dtype)
+        self._autocast: set[str] = set()  # the precisions autocast computed recorded tensors in
         self._params = params
         self._writing = self._choice.all  # outside a step block: only when every step is wanted
         self.out = Path(out).absolute()  # the program may change its working folder before close()
@@ -169,8 +176,12 @@ class Dumper:
         self._record(kind, name, tensor, sharding, module=module, stable=stable)
 
     def _record(self, kind: str, name: str, tensor: torch.Tensor, sharding: Optional[Sharding] = None, *,
-                module: Optional[str] = None, stable: bool = False, unless_zero: bool = False) -> None:
-        """add(); `unless_zero`: left out of the dump if its statistics say it is all zero."""
+                module: Optional[str] = None, stable: bool = False, unless_zero: bool = False,
+                call: Optional[int] = None) -> None:
+        """add(); `unless_zero`: left out of the dump if its statistics say it is all zero; `call`: an
+        activation gradient's forward call (TensorRecord.call)."""
+        if reason := check_name(name):  # in every step, not first in the one chosen, long into a run
+            raise ValueError(f"{kind} {reason}")
         if not self._writing:
             return
         if kind not in KINDS:
@@ -181,22 +192,27 @@ class Dumper:
             if sharding not in (None, Sharding()):
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
             tensor, sharding = local_piece(tensor)
+        if (precision := _autocast_precision(tensor)) is not None:
+            self._autocast.add(precision)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
-                         layer=layer_of(module or name), stable=stable, unless_zero=unless_zero)
+                         layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call)
 
     def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
                    module: Optional[str] = None, grad: bool = True) -> None:
         """add() a module's output `tensor` (through `view`, if any) as (kind, name) and, with `grad`,
         its gradient as activation_grad when backward reaches it. A leaf, a parameter the module
         returns as it is (megatron's linears return their skipped bias so), gets no gradient: that
-        is the parameter's, summed over this rank's tokens only, whole in param_grad."""
+        is the parameter's, summed over this rank's tokens only, whole in param_grad. The gradient
+        takes this call's place among the name's repeats, however late backward reaches it."""
         view = view or (lambda t: t)
+        call = len(self.records)  # the order this call's output is recorded at
         if self.wants(kind, name):
             self.add(kind, name, view(tensor), sharding, module=module)
         if grad and tensor.requires_grad and not tensor.is_leaf and self.wants("activation_grad", name):
             def on_grad(gradient: Optional[torch.Tensor]) -> None:
                 if gradient is not None:
-                    self.add("activation_grad", name, view(gradient), sharding, module=module)
+                    self._check_open("add")
+                    self._record("activation_grad", name, view(gradient), sharding, module=module, call=call)
 
             tensor.register_hook(on_grad)
 
@@ -479,14 +495,22 @@ class Dumper:
 
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
-        floats = list(filter(None, map(precision_name, {record.dtype for record in self.records})))
-        # The widest: thresholds follow the run's dtype, so a bf16 mask beside fp32 activations
-        # must not loosen every tensor to bf16 (a 10% error passed).
-        dtype = max(floats, key=PRECISIONS.index, default="fp32")
         rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
-                         self.layout, {"dtype": dtype, "stats_only": self._writer.stats_only,
+                         self.layout, {"dtype": self._run_precision(), "stats_only": self._writer.stats_only,
                                        "steps": self._steps, **rows})
+
+    def _run_precision(self) -> str:
+        """dump.json's dtype, the row of compare's thresholds: as stated (dtype=), else autocast's,
+        else the widest float dtype recorded."""
+        if self._precision is not None:
+            return self._precision
+        if self._autocast:  # its fp32 outputs and gradients carry the rounding of its bf16 matmuls
+            return min(self._autocast, key=PRECISIONS.index)
+        floats = list(filter(None, map(precision_name, {record.dtype for record in self.records})))
+        # The widest: a bf16 mask beside fp32 activations must not loosen every tensor to bf16 (a 10%
+        # error passed).
+        return max(floats, key=PRECISIONS.index, default="fp32")
 
     def abort(self) -> None:
         """Stop without a dump: hooks off, the staging folder removed (rank 0). In a forked child,
@@ -617,6 +641,23 @@ def _never_closed(out: str, landing: contextlib.ExitStack, pid: int) -> None:
                            "the Dumper in a with block)", UserWarning, "megalign", 0)
     with contextlib.suppress(Exception):
         landing.__exit__(RuntimeError, RuntimeError("never closed"), None)
+
+
+def _stated_precision(dtype: Union[str, torch.dtype]) -> str:
+    """Dumper's `dtype=` as dump.json names a precision."""
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+    precision = precision_name(name) if isinstance(name, str) else None
+    if precision is None:
+        raise ValueError(f"dtype: one of {', '.join(PRECISIONS)} or a torch float dtype, got {dtype!r}")
+    return precision
+
+
+def _autocast_precision(tensor: torch.Tensor) -> Optional[str]:
+    """The precision torch.autocast computes in, where `tensor` is recorded inside its block."""
+    device = tensor.device.type  # on a device without autocast (meta), is_autocast_enabled raises
+    if tensor.is_floating_point() and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return precision_name(dtype_name(torch.get_autocast_dtype(device)))
+    return None
 
 
 def _step_number(n) -> int:

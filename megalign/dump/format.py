@@ -95,12 +95,16 @@ class TensorRecord:
     stats: Optional[TensorStats] = None
     # xxh3_128 of the tensor's bytes, hex: replicas with equal hashes are read once (compare/plan.py)
     hash: Optional[str] = None
+    # An activation gradient's: the order its output's forward call had. Backward reaches the calls of
+    # a module in reverse, so a name's repeats are numbered by this, not by when the gradient came.
+    call: Optional[int] = None
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "order": self.order, "shape": self.shape,
                 "dtype": self.dtype, "sharding": self.sharding.to_dict(), "module": self.module,
                 "layer": self.layer, "file": self.file, "key": self.key,
-                "stats": self.stats.to_dict() if self.stats else None, "hash": self.hash}
+                "stats": self.stats.to_dict() if self.stats else None, "hash": self.hash,
+                **({} if self.call is None else {"call": self.call})}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,6 +120,24 @@ def precision_name(dtype: str) -> Optional[str]:
     """`bfloat16` (a stored dtype) or `bf16` (a run's) -> `bf16`; None for what is not a float."""
     return dtype if dtype in PRECISIONS else _PRECISION_OF_DTYPE.get(dtype)
 
+
+
+# A name recorded again (a module called twice, a name added again) is read back as `name@1`, `name@2`,
+# ...: the one rule for a repeat's name. A name given to a writer may not end so, or it would be read
+# as another name's repeat (the Dumper refuses it, the reader too).
+REPEAT = re.compile(r"@\d+$")
+
+
+def repeat_name(name: str, repeat: int) -> str:
+    """The name of the `repeat`th record of `name` (0: the first, named plainly)."""
+    return name if repeat == 0 else f"{name}@{repeat}"
+
+
+def check_name(name: str) -> Optional[str]:
+    """Why `name` cannot be a tensor's name (it reads as a repeat), or None."""
+    if "@" in name and REPEAT.search(name):
+        return f"{name!r} ends as megalign names a name's repeats (name@1, name@2, ...): give it another name"
+    return None
 
 
 _LAYER = re.compile(r"layers\.(\d+)(?:\.|$)")

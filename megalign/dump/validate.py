@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord, dtype_name
+from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord, check_name, dtype_name
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import MeshPlacement, Sharding
 from megalign.dump.stats import TensorStats
@@ -179,14 +179,23 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
         # Its bytes must fit in its file: a shape claiming more would be allocated before any read.
         check_tensor_file(_str(file, f"{where}: file"), rank_dir, where, holds=math.prod(shape) * DTYPES[dtype])
         _str(key, f"{where}: key")
-    return TensorRecord(kind=kind, name=_str(record.get("name"), f"{where}: name"),
+    return TensorRecord(kind=kind, name=_name(record.get("name"), f"{where}: name"),
                         order=_int(record.get("order"), f"{where}: order"),
                         shape=shape, dtype=dtype,
                         sharding=_sharding(record.get("sharding"), shape, where),
                         module=record.get("module") if isinstance(record.get("module"), str) else None,
                         layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
                         file=file, key=key, stats=None if stats is None else _stats(stats, where),
-                        hash=_hash(record.get("hash"), where))
+                        hash=_hash(record.get("hash"), where),
+                        call=_optional_int(record.get("call"), f"{where}: call"))
+
+
+def _name(raw: Any, where: str) -> str:
+    """A tensor's name; one that reads as a repeat (written before writers refused it) is ambiguous."""
+    name = _str(raw, where)
+    if reason := check_name(name):
+        raise Malformed(f"{where}: {reason}")
+    return name
 
 
 def _hash(raw: Any, where: str) -> Optional[str]:

@@ -79,11 +79,12 @@ class RankWriter:
 
     def add(self, kind: Kind, name: str, tensor: torch.Tensor, sharding: Sharding,
             module: Optional[str] = None, layer: Optional[int] = None, stable: bool = False,
-            unless_zero: bool = False) -> None:
+            unless_zero: bool = False, call: Optional[int] = None) -> None:
         """Record a tensor. `stable`: it will not change before close() (parameter gradients after the
         step), so it is written from where it is; any other is copied now. `unless_zero` (stats-only):
-        the record is left out at close if its statistics say the tensor is all zero. A tensor no dump
-        can hold is refused (TypeError), whatever the name filter says."""
+        the record is left out at close if its statistics say the tensor is all zero. `call`: an
+        activation gradient's forward call (TensorRecord.call). A tensor no dump can hold is refused
+        (TypeError), whatever the name filter says."""
         refused = unstorable(tensor)
         if refused is not None:
             raise TypeError(f"{kind} {name}: megalign stores {STORED}; got {refused}")
@@ -92,7 +93,8 @@ class RankWriter:
         self._raise()
         tensor = tensor.detach()
         record = TensorRecord(kind=kind, name=name, order=len(self.records), shape=list(tensor.shape),
-                              dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer)
+                              dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer,
+                              call=call)
         if self.stats_only:
             if unless_zero:
                 self._unless_zero.append(record)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import math
-from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Optional
@@ -15,6 +14,7 @@ from megalign.compare.entries import Entry, Source, phase
 from megalign.compare.plan import Shard, full_shape
 from megalign.compare.reassemble import reassemble
 from megalign.compare.steps import step_name, step_order
+from megalign.dump.format import TensorRecord, repeat_name
 from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump
 
@@ -41,14 +41,10 @@ def _open(path: Path) -> Source:
     steps: dict[tuple[str, str], Optional[int]] = {}  # each entry's step, where the dump records steps
     rows: dict[tuple[str, str], Optional[list]] = {}  # where its steps' rows differ: each entry's step's
     for rank in dump.ranks:
-        seen: Counter = Counter()
-        for record in rank.records:
-            step = _step(rank.extra.get("steps"), record.order) if dumped else None
-            label = record.name if step is None or not several else step_name(step, record.name)
-            # A module called twice per step dumps its name twice: the repeats get @1, @2, ...
-            repeat = seen[(record.kind, label)]
-            seen[(record.kind, label)] += 1
-            name = label if repeat == 0 else f"{label}@{repeat}"
+        stepped = [_step(rank.extra.get("steps"), record.order) if dumped else None for record in rank.records]
+        labels = [record.name if step is None or not several else step_name(step, record.name)
+                  for record, step in zip(rank.records, stepped)]
+        for record, step, name in zip(rank.records, stepped, _repeats(rank.records, labels)):
             groups.setdefault((record.kind, name), []).append(Shard(rank, record))
             steps[(record.kind, name)] = step
             rows[(record.kind, name)] = dump.rows_at(step) if dump.step_rows else None
@@ -63,6 +59,26 @@ def _open(path: Path) -> Source:
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
                   weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"),
                   kernel=_kernel(meta, dump.layout), rows_unknown=meta.get("rows_unknown"), steps=dumped or None)
+
+
+def _repeats(records: list[TensorRecord], labels: list[str]) -> list[str]:
+    """Each record's name: its label, with @1, @2, ... where a module called twice per step dumped its
+    label again. The repeats are numbered in the order of the forward calls: an activation gradient's
+    call, not when backward reached it (two micro-batches in one backward reach the second first)."""
+    calls: dict[tuple[str, str], list[int]] = {}
+    for index, (record, label) in enumerate(zip(records, labels)):
+        calls.setdefault((record.kind, label), []).append(index)
+    names = list(labels)
+    for indices in calls.values():
+        if len(indices) > 1:
+            indices.sort(key=lambda i: _called(records[i]))
+            for repeat, index in enumerate(indices):
+                names[index] = repeat_name(labels[index], repeat)
+    return names
+
+
+def _called(record: TensorRecord) -> int:
+    return record.order if record.call is None else record.call
 
 
 def _steps(meta: dict) -> list[int]:

@@ -33,7 +33,8 @@ import torch
 from megalign.compare.entries import Entry, ReplicaGap, Source, Value, phase
 from megalign.compare.reassemble import first_replica
 from megalign.compare.sources.plain import is_regular, load_pt, tensor_value
-from megalign.dump.format import layer_of
+from megalign.compare.steps import step_name
+from megalign.dump.format import layer_of, repeat_name
 from megalign.dump.megatron_params import gated_linear, tp_dim_by_name
 from megalign.dump.sharding import merge_cp, merge_tp
 from megalign.errors import UserError
@@ -135,10 +136,10 @@ def open_sglang(path: Path, folder: Path) -> Source:
     for file in sorted(files, key=lambda f: (f.rank, f.dump_index)):
         kind, name = logical_name(file.name)
         if several_steps:
-            name = f"step{file.step}/{name}"
+            name = step_name(file.step, name)
         repeat = seen[(file.rank, kind, name)]
         seen[(file.rank, kind, name)] += 1
-        groups.setdefault((kind, name if repeat == 0 else f"{name}@{repeat}"), []).append(file)
+        groups.setdefault((kind, repeat_name(name, repeat)), []).append(file)
     entries = []
     for (kind, name), group in groups.items():
         first = min(group, key=lambda f: f.rank)
