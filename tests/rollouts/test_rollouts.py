@@ -11,6 +11,7 @@ diff ~3e-11, against 1e-8). Each twin fails and is named as its cause.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -233,3 +234,12 @@ def test_export_worst_writes_a_tokens_file_forward_runs(rollouts, trainer, tmp_p
     refused = invoke("compare", trainer("--cp", "2"), trainer("--cp", "2", "--packed", "--attention", "torch"),
                      "--export-worst", "1", tmp_path / "w.json")
     assert refused.exit_code == 2 and "neither A nor B is a rollout file" in refused.output
+
+
+def test_a_dump_folder_named_like_a_rollout_file_is_a_dump(trainer, tmp_path):
+    """A folder is never a rollout file, whatever its name: a dump saved as run.json compares as a dump."""
+    named = tmp_path / "run.json"
+    shutil.copytree(trainer("--cp", "2"), named)
+    result = invoke("compare", named, trainer("--cp", "2"), "--format", "plain")
+    assert result.exit_code == 0, result.output
+    assert "rollout" not in result.output.splitlines()[0]

@@ -95,7 +95,8 @@ class Rollout:
 
 
 def is_rollout_file(path: Path) -> bool:
-    return path.suffix.lower() in SUFFIXES
+    """By its name; a folder never is, whatever its name (a dump folder called run.json)."""
+    return path.suffix.lower() in SUFFIXES and not path.is_dir()
 
 
 def read_rollout(path: Path, hf: Optional[Path] = None) -> Rollout:
