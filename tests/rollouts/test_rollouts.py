@@ -15,7 +15,7 @@ import shutil
 from dataclasses import replace
 
 import pytest
-from conftest import invoke
+from conftest import error_line, invoke
 from real_checkpoint import build
 from rollout_engine import TEMPERATURE, generate, jsonl, write_all
 
@@ -243,3 +243,25 @@ def test_a_dump_folder_named_like_a_rollout_file_is_a_dump(trainer, tmp_path):
     result = invoke("compare", named, trainer("--cp", "2"), "--format", "plain")
     assert result.exit_code == 0, result.output
     assert "rollout" not in result.output.splitlines()[0]
+
+
+@pytest.mark.parametrize("emptied", ("loss_mask 0", "no response"))
+def test_a_rollout_with_nothing_to_compare_is_refused_up_front(rollouts, trainer, tmp_path, emptied):
+    """Every loss_mask 0, or every response empty: compare, forward --rollout and backward --rollout all refuse
+    it in one line, exit 2, before anything runs or is written (compare said "3 passed" of nothing)."""
+    checkpoint, files = rollouts
+    lines = [json.loads(line) for line in files["rollout.jsonl"].read_text().splitlines()]
+    for line in lines:
+        if emptied == "loss_mask 0":
+            line["loss_mask"] = [0] * len(line["response_ids"])
+        else:
+            line["response_ids"], line["response_logprobs"] = [], []
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n".join(map(json.dumps, lines)))
+    for args in (("compare", empty, trainer("--cp", "2")),
+                 ("forward", "--hf", checkpoint, "--rollout", empty, "--out", tmp_path / "f"),
+                 ("backward", "--hf", checkpoint, "--rollout", empty, "--out", tmp_path / "b")):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert "no response token to compare" in error_line(result)
+    assert not (tmp_path / "f").exists() and not (tmp_path / "b").exists()
