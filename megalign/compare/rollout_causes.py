@@ -22,6 +22,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megalign.compare.metrics import k3_terms, logprob_gap
+
 WORST = 5  # sequences listed per table: the outliers, not a second report
 EXPLAINED = 0.01  # a cause explains the gap when it leaves less than 1% of its mean square
 T_RANGE = (0.05, 20.0)
@@ -40,7 +42,7 @@ class SequenceGap:
 def sequence_gaps(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> list[SequenceGap]:
     """Per sequence ([sequence, position] tensors), over its masked positions; sequences without one left out."""
     gaps = []
-    delta = (trainer.double() - rollout.double()).nan_to_num(nan=math.inf)
+    delta = logprob_gap(rollout, trainer)
     for i in range(delta.shape[0]):
         keep = mask[i] > 0
         if not keep.any():
@@ -49,7 +51,7 @@ def sequence_gaps(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tens
         where = keep.nonzero().flatten()
         worst = int(d.abs().argmax())
         gaps.append(SequenceGap(sequence=i, tokens=int(keep.sum()),
-                                k3=float(((d.clamp(max=700).exp() - 1) - d).mean()), max_abs_diff=float(d.abs().max()),
+                                k3=float(k3_terms(d).mean()), max_abs_diff=float(d.abs().max()),
                                 position=int(where[worst]), mean_abs_diff=float(d.abs().mean())))
     return gaps
 

@@ -11,6 +11,7 @@ diff ~3e-11, against 1e-8). Each twin fails and is named as its cause.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import replace
 
@@ -265,3 +266,24 @@ def test_a_rollout_with_nothing_to_compare_is_refused_up_front(rollouts, trainer
         assert result.exit_code == 2, result.output
         assert "no response token to compare" in error_line(result)
     assert not (tmp_path / "f").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("value", (-math.inf, math.nan))
+def test_a_non_finite_logprob_prints_as_inf_never_as_float_max(rollouts, trainer, tmp_path, value):
+    """One response logprob -inf (Python's json writes -Infinity) or NaN: every figure of its gap is inf, on
+    the row, in the worst sequences and where the mismatch sits (it printed 1.8e+308, k3 7.49e+306, nan%)."""
+    _, files = rollouts
+    lines = [json.loads(line) for line in files["rollout.jsonl"].read_text().splitlines()]
+    lines[0]["response_logprobs"][3] = value
+    planted = tmp_path / "non-finite.jsonl"
+    planted.write_text("\n".join(map(json.dumps, lines)))
+    result, rows = compare(tmp_path, planted, trainer("--cp", "2"))
+    assert result.exit_code == 1, result.output
+    assert rows["logprobs"]["status"] == "fail"
+    assert "e+30" not in result.output and "nan%" not in result.output, result.output
+    assert "|Δlogprob| max inf mean inf p99 inf (seq 0 pos 7" in result.output and "k3 KL inf;" in result.output
+    assert "p99 inf;" in result.output  # the ratio p_B/p_A past float64, not exp(700)
+    worst = result.output.split("worst sequences by k3 KL")[1].splitlines()[3].split()
+    assert worst[:5] == ["0", "16", "inf", "inf", "@7"], result.output
+    where = next(line for line in result.output.splitlines() if line.startswith("positions 0-15"))
+    assert where.split()[4:7] == ["100.0%", "inf", "inf"], where
