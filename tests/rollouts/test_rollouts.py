@@ -287,3 +287,28 @@ def test_a_non_finite_logprob_prints_as_inf_never_as_float_max(rollouts, trainer
     assert worst[:5] == ["0", "16", "inf", "inf", "@7"], result.output
     where = next(line for line in result.output.splitlines() if line.startswith("positions 0-15"))
     assert where.split()[4:7] == ["100.0%", "inf", "inf"], where
+
+
+@pytest.mark.parametrize("planted, cause", (
+    ("offset -0.2", "cause: a constant offset: the rollout's logprobs are the trainer's -0.2 on every token"),
+    ("raised 24", "cause: impossible logprobs: 1 of the rollout's 32 above 0, a probability above 1 (the largest "),
+    ("raised 0.5", "cause: none of the known ones"),
+))
+def test_an_offset_a_positive_logprob_and_one_raised_token_are_told_apart(rollouts, trainer, tmp_path, planted, cause):
+    """-0.2 on every response logprob is the documented constant offset; one raised by 24 (now above 0) is
+    impossible, said before any sampling cause; one raised by 0.5 (still below 0) is no renormalisation. The
+    last two were called top-p/top-k renormalisation."""
+    _, files = rollouts
+    lines = [json.loads(line) for line in files["rollout.jsonl"].read_text().splitlines()]
+    if planted == "offset -0.2":
+        for line in lines:
+            line["response_logprobs"] = [v - 0.2 for v in line["response_logprobs"]]
+    else:
+        lines[0]["response_logprobs"][3] += float(planted.split()[1])
+    path = tmp_path / "planted.jsonl"
+    path.write_text("\n".join(map(json.dumps, lines)))
+    result, rows = compare(tmp_path, path, trainer("--cp", "2"))
+    assert result.exit_code == 1 and rows["logprobs"]["status"] == "fail", result.output
+    assert [line for line in result.output.splitlines() if line.startswith("cause:")] == [
+        next(line for line in result.output.splitlines() if line.startswith(cause))], result.output
+    assert "renormalisation:" not in result.output
