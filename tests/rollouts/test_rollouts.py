@@ -312,3 +312,22 @@ def test_an_offset_a_positive_logprob_and_one_raised_token_are_told_apart(rollou
     assert [line for line in result.output.splitlines() if line.startswith("cause:")] == [
         next(line for line in result.output.splitlines() if line.startswith(cause))], result.output
     assert "renormalisation:" not in result.output
+
+
+def test_a_wrong_prompt_logprob_is_shown_on_its_failing_row(rollouts, trainer, tmp_path):
+    """The row's RL figures are over the response (the loss mask): a prompt logprob 0.5 off failed the row while
+    they stayed at noise. The row now says where it failed, outside the loss mask."""
+    _, files = rollouts
+    content = json.loads(files["sglang.json"].read_text())
+    content[0]["meta_info"]["input_token_logprobs"][2][0] -= 0.5  # the logprob of prompt token 2, at position 1
+    planted = tmp_path / "prompt.json"
+    planted.write_text(json.dumps(content))
+    result, rows = compare(tmp_path, planted, trainer("--cp", "2"))
+    assert result.exit_code == 1, result.output
+    logprobs = rows["logprobs"]
+    assert logprobs["status"] == "fail" and logprobs["logprobs"]["max_abs_diff"] < 1e-4
+    assert abs(logprobs["logprobs"]["outside_max_abs_diff"] - 0.5) < 1e-4
+    assert (logprobs["logprobs"]["outside_sequence"], logprobs["logprobs"]["outside_position"]) == (0, 1)
+    assert "outside the loss mask |Δlogprob| max 0.5 (seq 0 pos 1, token " in result.output, result.output
+    result, rows = compare(tmp_path, files["sglang.json"], trainer("--cp", "2"))
+    assert result.exit_code == 0 and "outside the loss mask" not in result.output, result.output
