@@ -258,6 +258,10 @@ def _notes(row: Row) -> list[str]:
                      f"(seq {lp.worst_sequence} pos {lp.worst_position}{token}); k3 KL {lp.k3_kl:.3g}; "
                      f"p_B/p_A p1 {lp.ratio_p1:.6g} p50 {lp.ratio_p50:.6g} p99 {lp.ratio_p99:.6g}; "
                      f"|Δ|>0.1 {lp.frac_over_0_1:.2%} >1 {lp.frac_over_1:.2%} of {lp.tokens} tokens")
+        if lp.outside_max_abs_diff is not None and row.failing:  # on a passing row, noise: in --json only
+            token = f", token {lp.outside_token}" if lp.outside_token is not None else ""
+            notes.append(f"outside the loss mask |Δlogprob| max {lp.outside_max_abs_diff:.3g} "
+                         f"(seq {lp.outside_sequence} pos {lp.outside_position}{token})")
     if row.metrics is not None and not isinstance(row.metrics, TensorMetrics):
         notes.append("stats only: norm/mean/std")
     return notes

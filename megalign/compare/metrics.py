@@ -99,6 +99,12 @@ class LogprobMetrics:
     ratio_max: float
     frac_over_0_1: float
     frac_over_1: float
+    # Where a position outside the loss mask (a rollout's prompt logprobs) is further off than any inside
+    # it: the row fails on it, while the figures above, over the mask, may all be 0.
+    outside_max_abs_diff: Optional[float] = None
+    outside_sequence: Optional[int] = None
+    outside_position: Optional[int] = None
+    outside_token: Optional[int] = None
 
 
 @dataclass
@@ -203,28 +209,56 @@ def _scalar_rel(diff: float, p: float, q: float) -> float:
 def logprob_metrics(x: torch.Tensor, y: torch.Tensor, tokens: Optional[torch.Tensor],
                     mask: Optional[torch.Tensor] = None) -> LogprobMetrics:
     """x, y: [sequences, positions] (or flat [tokens]); tokens and mask (the loss mask): the inputs of the
-    same shape, if known. Positions without a label are left out when the mask is known."""
-    delta = (y.to(torch.float64) - x.to(torch.float64)).nan_to_num(nan=math.inf)  # NaN on one side: the worst
-    keep = mask.reshape(-1) > 0 if mask is not None and mask.shape == x.shape else torch.ones(x.numel(), dtype=torch.bool)
+    same shape, if known. Positions without a label are left out when the mask is known, but for the worst
+    of them where it is further off than any position with one."""
+    delta = logprob_gap(x, y)
+    keep = (mask.reshape(-1) > 0 if mask is not None and mask.shape == x.shape
+            else torch.ones(x.numel(), dtype=torch.bool))
     if not keep.any():
         keep = torch.ones(x.numel(), dtype=torch.bool)
     flat = delta.reshape(-1)
-    masked_abs = flat.abs().masked_fill(~keep, -1.0)
-    worst = int(masked_abs.argmax())
-    index = unravel(worst, list(x.shape)) if x.ndim >= 2 else [0, worst]
+    _, worst_sequence, worst_position, worst_token = _worst(flat.abs(), keep, x, tokens)
     kept = flat[keep]
     absolute = kept.abs()
-    ratio = kept.clamp(max=700.0).exp()  # exp(709) overflows float64
-    ratios = torch.quantile(ratio, torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64)).tolist() \
-        if torch.isfinite(ratio).all() else [math.nan] * 3
+    ratio = kept.exp()  # inf past exp(709): a ratio beyond float64 is said as inf, not as a clamped number
+    # Interpolating next to an inf gives NaN (inf * 0): then the nearest rank, which is inf or a real ratio.
+    ratios = torch.quantile(ratio, torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64),
+                            interpolation="linear" if ratio.isfinite().all() else "nearest").tolist()
+    found = LogprobMetrics(max_abs_diff=float(absolute.max()), mean_abs_diff=float(absolute.mean()),
+                           p99_abs_diff=float(absolute.kthvalue(max(1, math.ceil(0.99 * absolute.numel()))).values),
+                           worst_sequence=worst_sequence, worst_position=worst_position, worst_token=worst_token,
+                           tokens=int(kept.numel()), k3_kl=float(k3_terms(kept).mean()),
+                           ratio_min=float(ratio.min()), ratio_p1=ratios[0], ratio_p50=ratios[1], ratio_p99=ratios[2],
+                           ratio_max=float(ratio.max()), frac_over_0_1=float((absolute > 0.1).double().mean()),
+                           frac_over_1=float((absolute > 1.0).double().mean()))
+    outside = _worst(flat.abs(), ~keep, x, tokens)
+    if outside[0] > found.max_abs_diff:
+        (found.outside_max_abs_diff, found.outside_sequence, found.outside_position,
+         found.outside_token) = outside
+    return found
+
+
+def _worst(size: torch.Tensor, where: torch.Tensor, x: torch.Tensor,
+           tokens: Optional[torch.Tensor]) -> tuple[float, int, int, Optional[int]]:
+    """The largest of `size` (flat) where `where` holds, -1 where it holds nowhere: (value, sequence,
+    position, token at it)."""
+    masked = size.masked_fill(~where, -1.0)
+    worst = int(masked.argmax())
+    index = unravel(worst, list(x.shape)) if x.ndim >= 2 else [0, worst]
     token = int(tokens.reshape(-1)[worst]) if tokens is not None and tokens.shape == x.shape else None
-    return LogprobMetrics(max_abs_diff=float(absolute.max()), mean_abs_diff=float(absolute.mean()),
-                          p99_abs_diff=float(absolute.kthvalue(max(1, math.ceil(0.99 * absolute.numel()))).values),
-                          worst_sequence=index[0], worst_position=index[-1], worst_token=token,
-                          tokens=int(kept.numel()), k3_kl=float(((ratio - 1) - kept).mean()),
-                          ratio_min=float(ratio.min()), ratio_p1=ratios[0], ratio_p50=ratios[1], ratio_p99=ratios[2],
-                          ratio_max=float(ratio.max()), frac_over_0_1=float((absolute > 0.1).double().mean()),
-                          frac_over_1=float((absolute > 1.0).double().mean()))
+    return float(masked[worst]), index[0], index[-1], token
+
+
+def logprob_gap(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y - x in float64; NaN (on either side, or inf - inf) reads as inf, the worst gap. An infinite gap
+    stays inf: torch's nan_to_num would make it float64's largest number, printed as if measured."""
+    delta = y.to(torch.float64) - x.to(torch.float64)
+    return delta.masked_fill(delta.isnan(), math.inf)
+
+
+def k3_terms(delta: torch.Tensor) -> torch.Tensor:
+    """(r - 1) - log r per token, r = exp(delta): inf where delta is (expm1(inf) - inf would be NaN)."""
+    return torch.where(delta.isinf(), math.inf, delta.expm1() - delta)
 
 
 def unravel(flat_index: int, shape: list[int]) -> list[int]:

@@ -6,12 +6,13 @@ the rollout, so k3 = mean((r - 1) - log r), r = exp(delta), estimates KL(rollout
 - the worst sequences by k3 and by max |delta|;
 - causes, each named instead of a wall of failures, tested on the numbers (the files do not record
   which logprobs an engine returned; docs/compare.md):
+  - a logprob above 0 (a probability above 1): impossible whatever the sampling, said before the rest;
+  - logprobs one position off: the rollout's logprob of token k is the trainer's of token k +- 1;
   - temperature: the engine's log softmax(logits / T) (SGLang's output logprobs, vLLM's
     processed_logprobs), with T fitted to the trainer's logits;
+  - a constant offset: one number, of either sign, added to every token's logprob;
   - renormalisation over a top-p/top-k set (vLLM's processed_logprobs): every token's logprob raised
-    by the same -log(kept mass) as the rest of its set, so delta <= 0 on every token; a constant
-    offset when that is one number for all;
-  - logprobs one position off: the rollout's logprob of token k is the trainer's of token k +- 1.
+    by the same -log(kept mass) as the rest of its set, so delta <= 0 on every token.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from megalign.compare.metrics import k3_terms, logprob_gap, unravel
 
 WORST = 5  # sequences listed per table: the outliers, not a second report
 EXPLAINED = 0.01  # a cause explains the gap when it leaves less than 1% of its mean square
@@ -40,7 +43,7 @@ class SequenceGap:
 def sequence_gaps(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> list[SequenceGap]:
     """Per sequence ([sequence, position] tensors), over its masked positions; sequences without one left out."""
     gaps = []
-    delta = (trainer.double() - rollout.double()).nan_to_num(nan=math.inf)
+    delta = logprob_gap(rollout, trainer)
     for i in range(delta.shape[0]):
         keep = mask[i] > 0
         if not keep.any():
@@ -49,7 +52,7 @@ def sequence_gaps(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tens
         where = keep.nonzero().flatten()
         worst = int(d.abs().argmax())
         gaps.append(SequenceGap(sequence=i, tokens=int(keep.sum()),
-                                k3=float(((d.clamp(max=700).exp() - 1) - d).mean()), max_abs_diff=float(d.abs().max()),
+                                k3=float(k3_terms(d).mean()), max_abs_diff=float(d.abs().max()),
                                 position=int(where[worst]), mean_abs_diff=float(d.abs().mean())))
     return gaps
 
@@ -63,6 +66,9 @@ def causes(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, tok
     """The known causes the numbers show, in words. [sequence, position] tensors; `valid`: the positions
     with a next token (the trainer has a logprob there); `logits`: the trainer's [sequence, position,
     vocab], loaded only when needed (None when the dump has none)."""
+    impossible = _above_zero(rollout.double(), mask > 0)
+    if impossible:
+        return [impossible]  # no sampling setting explains a probability above 1
     keep = (mask > 0) & rollout.isfinite()
     if not keep.any():
         return []
@@ -76,8 +82,19 @@ def causes(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, tok
     z = None if z is None else z[keep].double()
     if z is not None:
         found.append(_temperature(r, z, labels, gap))
-    found.append(_renormalised(r - d, z, labels))
+    found += [_offset(r - d), _renormalised(r - d, z, labels)]
     return [f for f in found if f][:1]  # the first that explains the gap: the others then cannot
+
+
+def _above_zero(rollout: torch.Tensor, keep: torch.Tensor) -> Optional[str]:
+    above = keep & (rollout > 0)
+    if not above.any():
+        return None
+    largest = rollout.masked_fill(~above, -math.inf)
+    sequence, position = unravel(int(largest.argmax()), list(largest.shape))
+    return (f"impossible logprobs: {int(above.sum())} of the rollout's {int(keep.sum())} above 0, a probability above "
+            f"1 (the largest {float(largest.max()):.3g} at seq {sequence} pos {position}): they are not the "
+            "log-probabilities of the tokens, whatever the sampling (a sign lost, a score, another field)")
 
 
 def _mean_square(x: torch.Tensor) -> float:
@@ -126,15 +143,22 @@ def _temperature(r: torch.Tensor, z: torch.Tensor, labels: torch.Tensor, gap: fl
             "(vLLM: --logprobs-mode raw_logprobs; SGLang: SGLANG_RETURN_ORIGINAL_LOGPROB=1) or compare at T")
 
 
+def _offset(excess: torch.Tensor) -> Optional[str]:
+    """excess = rollout - trainer: one number, of either sign, on every token."""
+    scale = float(excess.abs().mean())
+    spread = float(excess.std()) if excess.numel() > 1 else 0.0
+    if scale < 1e-6 or spread >= 1e-2 * scale:
+        return None
+    return (f"a constant offset: the rollout's logprobs are the trainer's {float(excess.mean()):+.4g} on every token "
+            "(a normalisation over another set)")
+
+
 def _renormalised(excess: torch.Tensor, z: Optional[torch.Tensor], labels: Optional[torch.Tensor]) -> Optional[str]:
-    """excess = rollout - trainer: >= 0 on every token, and (with the logits) -log of a top-k mass."""
+    """excess = rollout - trainer: >= 0 on every token, and (with the logits) -log of a top-k mass on the
+    tokens that hold nearly all of it (a token raised by nothing matches the whole vocabulary's mass)."""
     scale = float(excess.abs().mean())
     if float(excess.min()) < -1e-3 * scale or scale < 1e-6:
         return None
-    spread = float(excess.std()) if excess.numel() > 1 else 0.0
-    if spread < 1e-2 * scale:
-        return (f"a constant offset: the rollout's logprobs are the trainer's + {float(excess.mean()):.4g} on every "
-                "token (a normalisation over another set)")
     if z is None:
         return (f"the rollout's logprobs exceed the trainer's on every token ({float(excess.min()):.3g} to "
                 f"{float(excess.max()):.3g}): top-p/top-k renormalisation or a temperature below 1; the dump has no "
@@ -142,7 +166,7 @@ def _renormalised(excess: torch.Tensor, z: Optional[torch.Tensor], labels: Optio
     cumulative = z.softmax(dim=1).sort(dim=1, descending=True).values.cumsum(dim=1)
     kept = (-excess).exp()
     matched = (cumulative.log() - kept.log()[:, None]).abs().min(dim=1).values < 1e-3
-    if float(matched.double().mean()) < 0.95:
+    if float(excess.clamp(min=0)[~matched].sum()) > EXPLAINED * float(excess.clamp(min=0).sum()):
         return None
     return (f"top-p/top-k renormalisation: every rollout logprob is the trainer's + -log(kept mass), "
             f"{float(excess.min()):.3g} to {float(excess.max()):.3g} (the engine returned processed logprobs: "

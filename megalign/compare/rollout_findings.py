@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megalign.compare.entries import Source
+from megalign.compare.metrics import logprob_gap
 from megalign.compare.rollout_causes import SequenceGap, causes, sequence_gaps, worst
 from megalign.compare.rollout_pair import RolloutPair
 from megalign.compare.rollout_where import Region, regions
@@ -54,7 +55,7 @@ def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) 
     cp_split = dump.meta.get("cp_split") if dump is not None else None
     found = RolloutFindings(gaps=gaps, worst_by_k3=worst(gaps, lambda g: g.k3),
                             worst_by_max_abs_diff=worst(gaps, lambda g: g.max_abs_diff),
-                            where=regions(trainer.double() - pair.logprobs, mask > 0, pair.loss_mask, pair.dump.rows,
+                            where=regions(logprob_gap(pair.logprobs, trainer), mask > 0, pair.loss_mask, pair.dump.rows,
                                           layout_cp, cp_split),
                             causes_checked=row.failing)
     if reference is not None:

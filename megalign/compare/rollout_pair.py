@@ -39,11 +39,10 @@ class RolloutPair:
         """(A, B) in the order given: the rollout's three tensors and the dump's same three."""
         mine = [_entry("input", "tokens", 0, self.tokens), _entry("input", "loss_mask", 1, self.loss_mask),
                 _entry("logprobs", "logprobs", 2, self.logprobs)]
-        responses = int(self.loss_mask.sum())
         # The engine's precision is not in the file: its logprobs are judged as an fp32 run's (--reference).
         rollout = Source(path=self.rollout.path, format="rollout", entries=mine, precision="fp32",
                          description=f"rollout: {self.rollout.format}, {len(self.rollout.samples)} sequences, "
-                                     f"{responses} response tokens")
+                                     f"{self.rollout.response_tokens()} response tokens")
         dump = self.view(self.dump)
         return (rollout, dump) if self.rollout_first else (dump, rollout)
 

@@ -41,14 +41,15 @@ class Region:
 def regions(delta: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor, rows: Optional[list[BatchRow]],
             cp: int, cp_split: Optional[str]) -> list[Region]:
     """Every region with a response token in it; `delta` trainer - rollout on the [sequence, position]
-    grid, `keep` the response positions compared, `rows` the trainer's batch rows (None: not known)."""
+    grid (metrics.logprob_gap: NaN already inf), `keep` the response positions compared, `rows` the
+    trainer's batch rows (None: not known)."""
     masks = _buckets(keep.shape) + [("first response token", _first_response(loss_mask))]
     if rows is not None and cp > 1:
         masks.append((f"CP shard edges (CP={cp})", _cp_edges(keep.shape, rows, cp, cp_split)))
     if rows is not None and any(len(row.lengths) > 1 for row in rows):
         masks.append(("packed-document edges", _document_edges(keep.shape, rows)))
-    size = delta.abs().nan_to_num(nan=torch.inf)
-    total_tokens, total_mass = int(keep.sum()), float(size[keep].sum())
+    size = delta.abs()
+    total_tokens = int(keep.sum())
     found = []
     for name, mask in masks:
         inside = mask & keep
@@ -57,11 +58,21 @@ def regions(delta: torch.Tensor, keep: torch.Tensor, loss_mask: torch.Tensor, ro
             continue
         mass = float(size[inside].sum())
         token_share = count / total_tokens
-        mass_share = mass / total_mass if total_mass > 0 else 0.0
+        mass_share = _mass_share(size[inside], size[keep])
         found.append(Region(name=name, tokens=count, token_share=token_share, mass_share=mass_share,
                             mean_abs_diff=mass / count, max_abs_diff=float(size[inside].max()),
                             over_represented=token_share < 1 and mass_share >= OVER * token_share))
     return found
+
+
+def _mass_share(part: torch.Tensor, whole: torch.Tensor) -> float:
+    """part's share of whole's Σ|Δ|; where that is infinite (a non-finite logprob), part's share of the
+    infinite tokens: inf / inf would print as nan%."""
+    infinite = int(whole.isinf().sum())
+    if infinite:
+        return int(part.isinf().sum()) / infinite
+    total = float(whole.sum())
+    return float(part.sum()) / total if total > 0 else 0.0
 
 
 def _buckets(shape: torch.Size) -> list[tuple[str, torch.Tensor]]:

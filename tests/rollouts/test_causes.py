@@ -3,6 +3,7 @@ shift, are in test_rollouts.py): top-k renormalisation, a constant offset, and n
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megalign.compare.rollout_causes import causes, sequence_gaps, worst
@@ -40,10 +41,30 @@ def test_top_k_renormalisation_is_named():
     assert len(found) == 1 and found[0].startswith("top-p/top-k renormalisation"), found
 
 
-def test_constant_offset_is_named():
+@pytest.mark.parametrize("offset", (0.25, -0.2))
+def test_constant_offset_is_named(offset):
+    """Either sign: the docs list a constant offset, not only a raise (-0.2 on every token was named by nothing)."""
     logits, tokens, _, trainer, mask, valid = _case()
-    found = _named(trainer + 0.25, trainer, mask, tokens, valid, logits)
-    assert found and found[0].startswith("a constant offset") and "0.25" in found[0]
+    found = _named(trainer + offset, trainer, mask, tokens, valid, logits)
+    assert found and found[0].startswith(f"a constant offset: the rollout's logprobs are the trainer's {offset:+g} ")
+
+
+def test_one_raised_token_is_not_renormalisation():
+    """The other tokens, raised by nothing, each match the whole vocabulary's mass: they do not make the one raised
+    token a top-k renormalisation."""
+    logits, tokens, _, trainer, mask, valid = _case()
+    rollout = trainer.clone()
+    rollout[1, 6] += 0.5
+    assert _named(rollout, trainer, mask, tokens, valid, logits) == []
+
+
+def test_a_logprob_above_zero_is_impossible_before_any_other_cause():
+    logits, tokens, _, trainer, mask, valid = _case()
+    rollout = trainer + 0.25  # a constant offset, but for one token above 0
+    rollout[2, 5] = 0.5
+    found = _named(rollout, trainer, mask, tokens, valid, logits)
+    assert found == [found[0]] and found[0].startswith("impossible logprobs: 1 of the rollout's 21 above 0")
+    assert "(the largest 0.5 at seq 2 pos 5)" in found[0]
 
 
 def test_noise_has_no_cause():

@@ -11,10 +11,12 @@ diff ~3e-11, against 1e-8). Each twin fails and is named as its cause.
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from dataclasses import replace
 
 import pytest
-from conftest import invoke
+from conftest import error_line, invoke
 from real_checkpoint import build
 from rollout_engine import TEMPERATURE, generate, jsonl, write_all
 
@@ -233,3 +235,99 @@ def test_export_worst_writes_a_tokens_file_forward_runs(rollouts, trainer, tmp_p
     refused = invoke("compare", trainer("--cp", "2"), trainer("--cp", "2", "--packed", "--attention", "torch"),
                      "--export-worst", "1", tmp_path / "w.json")
     assert refused.exit_code == 2 and "neither A nor B is a rollout file" in refused.output
+
+
+def test_a_dump_folder_named_like_a_rollout_file_is_a_dump(trainer, tmp_path):
+    """A folder is never a rollout file, whatever its name: a dump saved as run.json compares as a dump."""
+    named = tmp_path / "run.json"
+    shutil.copytree(trainer("--cp", "2"), named)
+    result = invoke("compare", named, trainer("--cp", "2"), "--format", "plain")
+    assert result.exit_code == 0, result.output
+    assert "rollout" not in result.output.splitlines()[0]
+
+
+@pytest.mark.parametrize("emptied", ("loss_mask 0", "no response"))
+def test_a_rollout_with_nothing_to_compare_is_refused_up_front(rollouts, trainer, tmp_path, emptied):
+    """Every loss_mask 0, or every response empty: compare, forward --rollout and backward --rollout all refuse
+    it in one line, exit 2, before anything runs or is written (compare said "3 passed" of nothing)."""
+    checkpoint, files = rollouts
+    lines = [json.loads(line) for line in files["rollout.jsonl"].read_text().splitlines()]
+    for line in lines:
+        if emptied == "loss_mask 0":
+            line["loss_mask"] = [0] * len(line["response_ids"])
+        else:
+            line["response_ids"], line["response_logprobs"] = [], []
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n".join(map(json.dumps, lines)))
+    for args in (("compare", empty, trainer("--cp", "2")),
+                 ("forward", "--hf", checkpoint, "--rollout", empty, "--out", tmp_path / "f"),
+                 ("backward", "--hf", checkpoint, "--rollout", empty, "--out", tmp_path / "b")):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert "no response token to compare" in error_line(result)
+    assert not (tmp_path / "f").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("value", (-math.inf, math.nan))
+def test_a_non_finite_logprob_prints_as_inf_never_as_float_max(rollouts, trainer, tmp_path, value):
+    """One response logprob -inf (Python's json writes -Infinity) or NaN: every figure of its gap is inf, on
+    the row, in the worst sequences and where the mismatch sits (it printed 1.8e+308, k3 7.49e+306, nan%)."""
+    _, files = rollouts
+    lines = [json.loads(line) for line in files["rollout.jsonl"].read_text().splitlines()]
+    lines[0]["response_logprobs"][3] = value
+    planted = tmp_path / "non-finite.jsonl"
+    planted.write_text("\n".join(map(json.dumps, lines)))
+    result, rows = compare(tmp_path, planted, trainer("--cp", "2"))
+    assert result.exit_code == 1, result.output
+    assert rows["logprobs"]["status"] == "fail"
+    assert "e+30" not in result.output and "nan%" not in result.output, result.output
+    assert "|Δlogprob| max inf mean inf p99 inf (seq 0 pos 7" in result.output and "k3 KL inf;" in result.output
+    assert "p99 inf;" in result.output  # the ratio p_B/p_A past float64, not exp(700)
+    worst = result.output.split("worst sequences by k3 KL")[1].splitlines()[3].split()
+    assert worst[:5] == ["0", "16", "inf", "inf", "@7"], result.output
+    where = next(line for line in result.output.splitlines() if line.startswith("positions 0-15"))
+    assert where.split()[4:7] == ["100.0%", "inf", "inf"], where
+
+
+@pytest.mark.parametrize("planted, cause", (
+    ("offset -0.2", "cause: a constant offset: the rollout's logprobs are the trainer's -0.2 on every token"),
+    ("raised 24", "cause: impossible logprobs: 1 of the rollout's 32 above 0, a probability above 1 (the largest "),
+    ("raised 0.5", "cause: none of the known ones"),
+))
+def test_an_offset_a_positive_logprob_and_one_raised_token_are_told_apart(rollouts, trainer, tmp_path, planted, cause):
+    """-0.2 on every response logprob is the documented constant offset; one raised by 24 (now above 0) is
+    impossible, said before any sampling cause; one raised by 0.5 (still below 0) is no renormalisation. The
+    last two were called top-p/top-k renormalisation."""
+    _, files = rollouts
+    lines = [json.loads(line) for line in files["rollout.jsonl"].read_text().splitlines()]
+    if planted == "offset -0.2":
+        for line in lines:
+            line["response_logprobs"] = [v - 0.2 for v in line["response_logprobs"]]
+    else:
+        lines[0]["response_logprobs"][3] += float(planted.split()[1])
+    path = tmp_path / "planted.jsonl"
+    path.write_text("\n".join(map(json.dumps, lines)))
+    result, rows = compare(tmp_path, path, trainer("--cp", "2"))
+    assert result.exit_code == 1 and rows["logprobs"]["status"] == "fail", result.output
+    assert [line for line in result.output.splitlines() if line.startswith("cause:")] == [
+        next(line for line in result.output.splitlines() if line.startswith(cause))], result.output
+    assert "renormalisation:" not in result.output
+
+
+def test_a_wrong_prompt_logprob_is_shown_on_its_failing_row(rollouts, trainer, tmp_path):
+    """The row's RL figures are over the response (the loss mask): a prompt logprob 0.5 off failed the row while
+    they stayed at noise. The row now says where it failed, outside the loss mask."""
+    _, files = rollouts
+    content = json.loads(files["sglang.json"].read_text())
+    content[0]["meta_info"]["input_token_logprobs"][2][0] -= 0.5  # the logprob of prompt token 2, at position 1
+    planted = tmp_path / "prompt.json"
+    planted.write_text(json.dumps(content))
+    result, rows = compare(tmp_path, planted, trainer("--cp", "2"))
+    assert result.exit_code == 1, result.output
+    logprobs = rows["logprobs"]
+    assert logprobs["status"] == "fail" and logprobs["logprobs"]["max_abs_diff"] < 1e-4
+    assert abs(logprobs["logprobs"]["outside_max_abs_diff"] - 0.5) < 1e-4
+    assert (logprobs["logprobs"]["outside_sequence"], logprobs["logprobs"]["outside_position"]) == (0, 1)
+    assert "outside the loss mask |Δlogprob| max 0.5 (seq 0 pos 1, token " in result.output, result.output
+    result, rows = compare(tmp_path, files["sglang.json"], trainer("--cp", "2"))
+    assert result.exit_code == 0 and "outside the loss mask" not in result.output, result.output

@@ -76,6 +76,10 @@ class Rollout:
     def label_masks(self) -> list[list[int]]:
         return [s.label_mask() for s in self.samples]
 
+    def response_tokens(self) -> int:
+        """The response tokens that count (loss mask 1): what compare judges and backward's loss is over."""
+        return sum(map(sum, self.label_masks()))
+
     def grid(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """[sequence, position] tensors, right-padded: tokens, logprobs (float64), the positions
         compared (the file has a logprob), and the response positions that count (the loss mask)."""
@@ -95,7 +99,8 @@ class Rollout:
 
 
 def is_rollout_file(path: Path) -> bool:
-    return path.suffix.lower() in SUFFIXES
+    """By its name; a folder never is, whatever its name (a dump folder called run.json)."""
+    return path.suffix.lower() in SUFFIXES and not path.is_dir()
 
 
 def read_rollout(path: Path, hf: Optional[Path] = None) -> Rollout:
@@ -129,7 +134,11 @@ def read_rollout(path: Path, hf: Optional[Path] = None) -> Rollout:
             if any(not sample.prompt for sample in samples):
                 raise UserError(f"{path}: a sample with an empty prompt (its first token has no context to be "
                                 "predicted from)")
-            return Rollout(path=path, format=name, samples=samples)
+            rollout = Rollout(path=path, format=name, samples=samples)
+            if not rollout.response_tokens():
+                raise UserError(f"{path}: no response token to compare ({len(samples)} samples, every response "
+                                "empty or its loss_mask 0): the trainer's logprobs would be judged on nothing")
+            return rollout
     raise UserError(f"{path}: not a rollout file megalign reads ({_found(first)}); expected SGLang /generate, "
                     "vLLM, OpenAI-compatible completions or chat with logprobs, or JSONL with prompt_ids, "
                     "response_ids and response_logprobs")
