@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 from typing import Optional
 
-from megalign.dump.landing import check_out
+from megalign.dump.landing import check_apart, check_out
 from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
@@ -64,8 +64,7 @@ def check_checkpoints(config: RunConfig) -> None:
     if config.launch.launcher == "none":
         raise UserError("--save cannot be used with --launcher none (megalign's launcher lands the checkpoint once "
                         "every rank has written it)")
-    if save.resolve() == config.dump_folder().resolve():
-        raise UserError(f"--save {save} is the dump's folder (--out); give the checkpoint a folder of its own")
+    check_apart(config.dump_folder(), save, "--save")
     check_out(save, False, flag="--save")
 
 

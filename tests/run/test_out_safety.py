@@ -192,3 +192,20 @@ def test_a_finished_run_leaves_no_temporary_files(tmp_path, monkeypatch):
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert leftovers(scratch) == []
+
+
+@pytest.mark.parametrize("save, out", [("x", "x/dump"), ("x/checkpoint", "x"), ("x.partial", "x"), ("x", "x.partial")])
+def test_save_and_out_inside_one_another_are_refused_up_front(tmp_path, save, out):
+    """Landing the outer folder would find the inner one in it: the run's dump or checkpoint was lost."""
+    result = invoke("forward", "--save", tmp_path / save, "--out", tmp_path / out)
+    assert result.exit_code == 2
+    assert f"--save {tmp_path / save} and the dump's folder (--out {tmp_path / out}) are one inside the other" \
+        in error_line(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_beside_out_lands_both(tmp_path):
+    result = invoke("forward", "--save", tmp_path / "x.checkpoint", "--out", tmp_path / "x")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "x" / "dump.json").is_file() and (tmp_path / "x.checkpoint" / "megalign.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "x.checkpoint"]

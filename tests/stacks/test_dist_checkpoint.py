@@ -153,7 +153,7 @@ def test_save_onto_a_users_folder_is_exit_2_and_touches_nothing(tmp_path):
     assert result.exit_code == 2
     assert f"--save {mine} exists and is not empty" in error_line(result)
     result = invoke("forward", "--save", tmp_path / "out", "--out", tmp_path / "out")
-    assert result.exit_code == 2 and "is the dump's folder" in error_line(result)
+    assert result.exit_code == 2 and "one inside the other" in error_line(result)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "my notes"
 
