@@ -178,7 +178,11 @@ def _claim(staging: Path) -> None:
                             f"{staging}; wait for it or choose another --out") from None
         shutil.rmtree(staging)  # a crashed run of ours: its marker says so
         staging.mkdir()
-    (staging / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    try:
+        (staging / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    except OSError as e:  # a full disk: the folder was made just now, and holds nothing else
+        shutil.rmtree(staging)
+        raise UserError(f"cannot create {staging}: {e.strerror}") from None
 
 
 def _owner(staging: Path):

@@ -12,7 +12,7 @@ from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
 from megalign.spec import Layout, ModelConfig, RunSpec
-from megalign.stacks.dist_checkpoint import checkpoint_folder, checkpoint_model
+from megalign.stacks.dist_checkpoint import check_data_files, checkpoint_folder, checkpoint_model
 
 
 def resolve_device(device: str) -> str:
@@ -55,10 +55,13 @@ def resolve_model(config: RunConfig) -> ModelConfig:
 
 
 def check_checkpoints(config: RunConfig) -> None:
-    """--load and --save are megatron's; --save lands like --out (dump/landing.py), by megalign's launcher."""
+    """--load and --save are megatron's; --load's files are all there; --save lands like --out (dump/landing.py),
+    by megalign's launcher."""
     load, save = config.source.load, config.output.save
     if (load or save) and config.source.stack != "megatron":
         raise UserError("--load and --save read and write Megatron checkpoints: they need --stack megatron")
+    if load:
+        check_data_files(checkpoint_folder(load))
     if save is None:
         return
     if config.launch.launcher == "none":
