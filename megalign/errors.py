@@ -1,9 +1,11 @@
 """Errors a user can fix: the CLI prints them as one line and exits non-zero, never a traceback."""
 
+import errno
 import os
 import re
 import stat
 from pathlib import Path
+from typing import Optional
 
 # A config or a tokens file is kilobytes: a bigger one is the wrong file, read only to exhaust memory.
 MAX_USER_FILE = 64 << 20
@@ -23,6 +25,17 @@ class RunFailed(Exception):
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
         self.details = details
+
+
+def disk_full(error: BaseException) -> Optional[UserError]:
+    """`error` as the UserError it is where it stems from a full disk or quota (ENOSPC, EDQUOT), anywhere in its
+    chain: a writing thread's OSError reaches the run under the RuntimeError that reports it. Else None."""
+    cause = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+            return UserError(str(error))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def compile_pattern(option: str, text: str) -> re.Pattern:

@@ -174,8 +174,9 @@ class Output:
                               help="Write per-tensor statistics instead of values (for big models). Default: values.")
     save: Optional[Path] = option(None, "--save", metavar="DIR",
                                   help="Also write this run's weights as a Megatron distributed checkpoint (torch_dist) "
-                                       "in DIR, new or empty, with megalign.json (the model) beside them, so that "
-                                       "--load DIR needs no --config. Default: none.")
+                                       "in DIR, new or empty and neither inside --out nor holding it, with "
+                                       "megalign.json (the model) beside them, so that --load DIR needs no --config. "
+                                       "Default: none.")
     overwrite: bool = option(False, "--overwrite",
                              help="If --out is a megalign dump, delete it and write this run's dump in its place "
                                   "(only once this run has finished). Anything else in --out (files that are not a "

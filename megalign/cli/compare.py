@@ -12,8 +12,9 @@ import typer
 
 from megalign.compare.explain import explain
 from megalign.compare.metrics import TensorMetrics
-from megalign.compare.outputs import check_outputs, write_replacing
-from megalign.compare.rollout_findings import find, write_worst
+from megalign.compare.outputs import Output, check_outputs, write_replacing
+from megalign.compare.report import is_report, write_jsonl
+from megalign.compare.rollout_findings import find, is_worst_file, write_worst
 from megalign.compare.rollout_pair import open_pair
 from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
@@ -52,7 +53,8 @@ StrictNonfinite = Annotated[bool, typer.Option(
     help="Fail tensors with NaN/Inf on both sides, even at the same positions. Default: a warning in the summary "
          "(check: strict).")]
 JsonOut = Annotated[Optional[Path], typer.Option(
-    "--json", metavar="FILE", help="Also write the report as JSON lines to FILE. Default: none.")]
+    "--json", metavar="FILE", help="Also write the report as JSON lines to FILE: a new file, or an earlier "
+                                   "report, which it replaces (never another file). Default: none.")]
 Plot = Annotated[Optional[Path], typer.Option(
     "--plot", metavar="FILE", help="Also draw the relative difference per layer to FILE (.png, .svg or .pdf). "
                                    "Default: none.")]
@@ -109,7 +111,8 @@ def compare(
     export_worst: Optional[tuple[int, Path]] = typer.Option(
         None, "--export-worst", metavar="N FILE",
         help="With a rollout file: also write its N worst sequences (by k3 KL and by max |Δlogprob|) as a tokens "
-             "file that megalign forward --tokens FILE runs, for a repro. Default: none."),
+             "file that megalign forward --tokens FILE runs, for a repro: a new file, or an earlier --export-worst "
+             "file, which it replaces. Default: none."),
     explain: Optional[str] = typer.Option(
         None, "--explain", metavar="NAME",
         help="Compare nothing: print how the tensor NAME is put back together in each input (A, B if given, R), "
@@ -136,7 +139,8 @@ def check_judging(judging: Judging, inputs: list[Path]) -> Thresholds:
     worst_n, worst_file = judging.export_worst or (None, None)
     if worst_n is not None and worst_n < 1:
         raise UserError(f"--export-worst {worst_n}: N must be at least 1")
-    check_outputs({"--json": judging.json_out, "--plot": judging.plot, "--export-worst": worst_file}, inputs)
+    check_outputs([Output("--json", judging.json_out, is_report, "report"), Output("--plot", judging.plot),
+                   Output("--export-worst", worst_file, is_worst_file, "worst-sequences file")], inputs)
     return Thresholds.from_cli(judging.threshold, judging.tolerance)
 
 
@@ -172,8 +176,6 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
             print_rollout(findings, judging.fmt)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
     if judging.json_out is not None:
-        from megalign.compare.report import write_jsonl
-
         _write_report(judging.json_out, lambda tmp: write_jsonl(report, tmp, findings))
     if judging.plot is not None:
         from megalign.compare.plot import plot_divergence

@@ -2,7 +2,9 @@
 
 An output inside either input would overwrite part of a dump (or a user's tensor file), so it is
 refused; so is a path whose folder does not exist, a folder, something other than a regular file
-(/dev/full, a FIFO), two outputs on one path, and a plot whose suffix matplotlib cannot write.
+(/dev/full, a FIFO), two outputs on one path, and a plot whose suffix matplotlib cannot write. A
+--json or --export-worst path must be new, empty, or a file of that option's kind that megalign
+wrote (`Output.ours`): another dump's manifest, a user's notes are never replaced.
 Each report is written to a temporary file beside its path and renamed into place: a path that is
 a hard link to another file (a dump's manifest) gets a new file, and the other keeps its content.
 """
@@ -10,6 +12,7 @@ a hard link to another file (a dump's manifest) gets a new file, and the other k
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,10 +21,22 @@ from megalign.errors import UserError
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def check_outputs(outputs: dict[str, Optional[Path]], inputs: list[Path]) -> None:
-    """`outputs`: option name -> path (None when not given). UserError for the first bad one."""
+@dataclass(frozen=True)
+class Output:
+    """A file compare writes: its option, its path (None when not given), and what an existing file there
+    must be to be replaced: `ours(path)` tells one megalign wrote, `kind` names it (None: any file)."""
+
+    option: str
+    path: Optional[Path]
+    ours: Optional[Callable[[Path], bool]] = None
+    kind: str = ""
+
+
+def check_outputs(outputs: list[Output], inputs: list[Path]) -> None:
+    """UserError for the first bad output."""
     seen: dict[Path, str] = {}
-    for option, path in outputs.items():
+    for output in outputs:
+        option, path = output.option, output.path
         if path is None:
             continue
         resolved = path.resolve()
@@ -40,6 +55,16 @@ def check_outputs(outputs: dict[str, Optional[Path]], inputs: list[Path]) -> Non
             raise UserError(f"{option} {path}: folder {resolved.parent} does not exist")
         if option == "--plot" and path.suffix.lower() not in PLOT_SUFFIXES:
             raise UserError(f"--plot {path}: the file name must end in {', '.join(PLOT_SUFFIXES)}")
+        _check_replaceable(output)
+
+
+def _check_replaceable(output: Output) -> None:
+    """An existing file is replaced only when it holds nothing (a `mktemp`'s) or is provably megalign's."""
+    path = output.path
+    if output.ours is None or not path.exists() or path.stat().st_size == 0 or output.ours(path):
+        return
+    raise UserError(f"{output.option} {path} exists and is not a megalign {output.kind}; give a new path (only a "
+                    f"{output.kind} that megalign wrote is replaced)")
 
 
 def write_replacing(path: Path, write: Callable[[Path], None]) -> None:

@@ -54,6 +54,21 @@ def write_jsonl(report: Report, path: Path, rollout: Optional[RolloutFindings] =
         out.write(json.dumps(_strict(summary_record(report, rollout))) + "\n")
 
 
+def is_report(path: Path) -> bool:
+    """Whether `path` holds what write_jsonl writes: tensor records, then the summary record, one a line."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            kinds = [_record_kind(line) for line in file]  # stops at the first line that is not JSON
+    except (OSError, ValueError):
+        return False
+    return kinds[-1:] == ["summary"] and set(kinds[:-1]) <= {"tensor"}
+
+
+def _record_kind(line: str) -> Optional[str]:
+    record = json.loads(line)
+    return record.get("record") if isinstance(record, dict) else None
+
+
 def _strict(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

@@ -18,6 +18,7 @@ from megalign.compare.rollout_causes import SequenceGap, causes, sequence_gaps, 
 from megalign.compare.rollout_pair import RolloutPair
 from megalign.compare.rollout_where import Region, regions
 from megalign.compare.verdict import Report
+from megalign.errors import UserError, read_user_text
 
 
 @dataclass
@@ -83,6 +84,10 @@ def worst_sequences(findings: RolloutFindings, n: int) -> list[int]:
     return sorted(chosen)
 
 
+# What write_worst says beside the tokens: where they came from (and what tells its file from a user's).
+WORST_SOURCE = ("sequences", "prompt_lengths", "rollout", "worst_by_k3", "worst_by_max_abs_diff")
+
+
 def write_worst(path: Path, pair: RolloutPair, findings: RolloutFindings, n: int) -> None:
     """A tokens file of the worst sequences (prompt + response), which `megalign forward --tokens` reads
     (its "tokens"); the rest says where they came from."""
@@ -97,3 +102,12 @@ def write_worst(path: Path, pair: RolloutPair, findings: RolloutFindings, n: int
     with open(path, "w") as out:
         json.dump(content, out)
         out.write("\n")
+
+
+def is_worst_file(path: Path) -> bool:
+    """Whether `path` holds what write_worst writes."""
+    try:
+        content = json.loads(read_user_text(path, "--export-worst file"))
+    except (UserError, ValueError):
+        return False
+    return isinstance(content, dict) and {"tokens", *WORST_SOURCE} <= content.keys()

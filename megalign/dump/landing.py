@@ -80,6 +80,21 @@ def _check_out(out: Path, overwrite: bool, flag: str) -> None:
         check_replaceable(out, flag)
 
 
+def check_apart(out: Path, other: Path, flag: str) -> None:
+    """Refuse two folders a run lands (--out and `flag`'s, --save) where one is, or is inside, the other or
+    its staging folder: landing the outer would find the inner's folder in it and refuse, the run's work lost."""
+    ours, theirs = _landed(out), _landed(other)
+    if any(a.is_relative_to(b) or b.is_relative_to(a) for a in ours for b in theirs):
+        raise UserError(f"{flag} {other} and the dump's folder (--out {out}) are one inside the other; give each a "
+                        "folder of its own, side by side")
+
+
+def _landed(folder: Path) -> tuple[Path, Path]:
+    """The folders landing `folder` makes: the staging folder, then the folder itself."""
+    resolved = folder.resolve()
+    return staging_dir(resolved), resolved
+
+
 def _check_name_length(out: Path, folder: Path, flag: str) -> None:
     """The folders made beside OUT have longer names than OUT's: each must fit the file system, or
     the run would fail after its work is done."""
@@ -165,7 +180,11 @@ def _claim(staging: Path, flag: str) -> None:
                             f"{staging}; wait for it or choose another {flag}") from None
         shutil.rmtree(staging)  # a crashed run of ours: its marker says so
         staging.mkdir()
-    (staging / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    try:
+        (staging / MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    except OSError as e:  # a full disk: the folder was made just now, and holds nothing else
+        shutil.rmtree(staging)
+        raise UserError(f"cannot create {staging}: {e.strerror}") from None
 
 
 def _owner(staging: Path):

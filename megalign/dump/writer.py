@@ -146,7 +146,7 @@ class RankWriter:
 
     def _raise(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"writing the dump failed: {self._error}") from self._error
+            raise RuntimeError(f"writing the dump into {self.dir.parent} failed: {self._error}") from self._error
 
     def _read_summaries(self) -> None:
         if self._summarized:

@@ -7,12 +7,12 @@ import math
 from dataclasses import replace
 from typing import Optional
 
-from megalign.dump.landing import check_out
+from megalign.dump.landing import check_apart, check_out
 from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
 from megalign.spec import Layout, ModelConfig, RunSpec
-from megalign.stacks.dist_checkpoint import checkpoint_folder, checkpoint_model
+from megalign.stacks.dist_checkpoint import check_data_files, checkpoint_folder, checkpoint_model
 
 
 def resolve_device(device: str) -> str:
@@ -55,17 +55,19 @@ def resolve_model(config: RunConfig) -> ModelConfig:
 
 
 def check_checkpoints(config: RunConfig) -> None:
-    """--load and --save are megatron's; --save lands like --out (dump/landing.py), by megalign's launcher."""
+    """--load and --save are megatron's; --load's files are all there; --save lands like --out (dump/landing.py),
+    by megalign's launcher."""
     load, save = config.source.load, config.output.save
     if (load or save) and config.source.stack != "megatron":
         raise UserError("--load and --save read and write Megatron checkpoints: they need --stack megatron")
+    if load:
+        check_data_files(checkpoint_folder(load))
     if save is None:
         return
     if config.launch.launcher == "none":
         raise UserError("--save cannot be used with --launcher none (megalign's launcher lands the checkpoint once "
                         "every rank has written it)")
-    if save.resolve() == config.dump_folder().resolve():
-        raise UserError(f"--save {save} is the dump's folder (--out); give the checkpoint a folder of its own")
+    check_apart(config.dump_folder(), save, "--save")
     check_out(save, False, flag="--save")
 
 

@@ -1,17 +1,23 @@
 """A Megatron distributed checkpoint's folder, as --load reads it and --save leaves it (no megatron import).
 
 megatron-core's dist_checkpointing (the torch_dist format) writes metadata.json (naming its backend),
-`.metadata` (torch DCP's index of every tensor) and `*.distcp` files. Megatron-LM saves one in
-DIR/iter_NNNNNNN and names the latest in DIR/latest_checkpointed_iteration.txt; --load takes either
-folder. --save adds megalign.json, the model config, so that a later --load needs no --config.
+`.metadata` (torch DCP's index of every tensor: which bytes of which `*.distcp` file hold it) and the
+`*.distcp` files. Megatron-LM saves one in DIR/iter_NNNNNNN and names the latest in
+DIR/latest_checkpointed_iteration.txt; --load takes either folder. --save adds megalign.json, the model
+config, so that a later --load needs no --config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import importlib
 import json
+import pickle
 from pathlib import Path
-from typing import Optional
+from typing import BinaryIO, Optional
+
+import torch
 
 from megalign.errors import UserError, read_user_text
 from megalign.spec import REQUIRED_KEYS, ModelConfig
@@ -22,6 +28,10 @@ BACKEND = "torch_dist"
 BACKEND_FILE = "metadata.json"  # megatron-core's dist_checkpointing.core.CONFIG_FNAME
 INDEX_FILE = ".metadata"  # torch.distributed.checkpoint's
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's
+# Where DCP's index classes live; older torch wrote TensorProperties from the sharded_tensor module.
+_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                  "torch.distributed.checkpoint.filesystem", "torch.distributed._shard.sharded_tensor.metadata")
+_INDEX_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
 
 def checkpoint_folder(path: Path) -> Path:
@@ -42,6 +52,50 @@ def checkpoint_folder(path: Path) -> Path:
     if not (path / INDEX_FILE).is_file():
         raise UserError(f"--load {path}: no {INDEX_FILE} (torch DCP's index of the tensors): an incomplete checkpoint")
     return path
+
+
+def check_data_files(folder: Path) -> None:
+    """Every byte range the index of the checkpoint in `folder` names lies in its file: a missing, empty or
+    truncated `.distcp` (a copy cut short) is one line before the run, not megatron-core's error in every rank."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # 1-2 s of import: only for --load
+
+    with open(folder / INDEX_FILE, "rb") as file:
+        index = load_index(folder, file)
+    needed: dict[str, int] = {}  # file -> the bytes it must hold
+    for stored in (getattr(index, "storage_data", None) or {}).values():
+        if isinstance(stored, _StorageInfo):
+            needed[stored.relative_path] = max(needed.get(stored.relative_path, 0), stored.offset + stored.length)
+    for name, size in sorted(needed.items()):
+        have = (folder / name).stat().st_size if (folder / name).is_file() else None
+        if have is None:
+            raise UserError(f"--load {folder}: {name} is missing (its {INDEX_FILE} names it): an incomplete checkpoint")
+        if have < size:
+            raise UserError(f"--load {folder}: {name} holds {have} bytes of the {size} its {INDEX_FILE} names: a "
+                            "truncated checkpoint")
+
+
+def load_index(folder: Path, file: BinaryIO):
+    """torch DCP's index (`.metadata`) of the checkpoint in `folder`, from `file`, unpickling nothing else."""
+    try:
+        return _IndexUnpickler(file).load()
+    except pickle.UnpicklingError as e:
+        raise UserError(f"--load {folder}: its .metadata holds {e}, which megalign does not unpickle (a torch "
+                        "DCP index holds only DCP's metadata classes)") from None
+    except Exception as e:  # noqa: BLE001 - a file cut short or no pickle at all: unpickling raises anything
+        raise UserError(f"--load {folder}: its .metadata is not a torch DCP index ({type(e).__name__}: {e})") from None
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Builds only what a torch DCP index holds: DCP's metadata dataclasses and enums, torch.Size, dtypes, layouts."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _INDEX_NAMES or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return super().find_class(module, name)
+        if module in _INDEX_MODULES:
+            found = getattr(importlib.import_module(module), name, None)
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name}")
 
 
 def checkpoint_model(folder: Path, given: Optional[ModelConfig], flag: str) -> ModelConfig:

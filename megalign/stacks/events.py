@@ -45,12 +45,18 @@ def emit_failure(rank: int, error: BaseException) -> None:
 
 @contextlib.contextmanager
 def failures_reported(rank: int) -> Iterator[None]:
-    """A worker's whole run: a failure is reported, then raised again so that torchrun sees it too."""
+    """A worker's whole run: a failure is reported, then raised again so that torchrun sees it too (a full
+    disk as the UserError it is, which a run in megalign's own process, --stack hf, prints as one line)."""
+    from megalign.errors import disk_full
+
     try:
         yield
     except BaseException as error:
-        emit_failure(rank, error)
-        raise
+        full = disk_full(error)
+        emit_failure(rank, full or error)
+        if full is None:
+            raise
+        raise full from error
 
 
 def parse(line: str) -> Optional[dict]:

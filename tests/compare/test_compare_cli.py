@@ -135,16 +135,25 @@ def test_json_report_and_plot(dump, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_report_path_linked_to_an_input_gets_a_file_of_its_own(dump, tmp_path):
+def test_a_report_path_linked_to_another_file_gets_a_file_of_its_own(dump, tmp_path):
+    """A hard link (the same file under another name) to an earlier report is replaced by a new file, the
+    earlier report kept; one to an input's manifest is no report: refused, the manifest untouched."""
     a = copy_dump(dump(*CP1), tmp_path / "a")
-    manifest = a / "rank-00000" / "manifest.json"
-    before = manifest.read_bytes()
-    os.link(manifest, tmp_path / "r.jsonl")  # a hard link: the same file under another name
+    kept = tmp_path / "kept.jsonl"
+    assert invoke("compare", a, dump(*CP2), "--json", kept).exit_code == 0
+    before = kept.read_bytes()
+    os.link(kept, tmp_path / "r.jsonl")
     result = invoke("compare", a, dump(*CP1), "--json", tmp_path / "r.jsonl")
     assert result.exit_code == 0, result.output
-    assert manifest.read_bytes() == before
+    assert kept.read_bytes() == before
     assert read_jsonl(tmp_path / "r.jsonl")[1]["ok"] is True
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "r.jsonl"]  # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "kept.jsonl", "r.jsonl"]  # no temporary file left
+    manifest = a / "rank-00000" / "manifest.json"
+    before = manifest.read_bytes()
+    os.link(manifest, tmp_path / "m.jsonl")
+    result = invoke("compare", a, dump(*CP1), "--json", tmp_path / "m.jsonl")
+    assert result.exit_code == 2 and "is not a megalign report" in result.output
+    assert manifest.read_bytes() == before
 
 
 def test_a_report_path_that_is_not_a_file_is_named(dump):

@@ -234,7 +234,7 @@ def test_the_writer_threads_dump_values_as_they_were_added_and_raise_their_error
     broken.dir.rmdir()
     broken.dir.write_text("not a folder")  # the file cannot be created
     broken.add("activation", "t", torch.ones(3), Sharding())
-    with pytest.raises(RuntimeError, match="writing the dump failed"):
+    with pytest.raises(RuntimeError, match="writing the dump into .* failed"):
         broken.close()
 
 

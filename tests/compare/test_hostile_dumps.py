@@ -232,6 +232,30 @@ def test_outputs_inside_an_input_are_refused(dump, tmp_path, target):
     assert not path.exists() or path.name == "dump.json"
 
 
+@pytest.mark.parametrize("option", ["--json", "--export-worst"])
+@pytest.mark.parametrize("target", ["manifest", "dump.json", "notes"])
+def test_an_output_never_replaces_a_file_megalign_did_not_write(dump, tmp_path, option, target):
+    """Another dump's files (not an input) and a user's notes are kept; the run is refused before comparing."""
+    other = copy_dump(dump(*SMALL), tmp_path / "other")
+    (tmp_path / "notes.txt").write_text("mine")
+    path = {"manifest": other / "rank-00000" / "manifest.json", "dump.json": other / "dump.json",
+            "notes": tmp_path / "notes.txt"}[target]
+    before = path.read_bytes()
+    args = ("--json", path) if option == "--json" else ("--export-worst", "1", path)
+    kind = "report" if option == "--json" else "worst-sequences file"
+    exit_2(invoke("compare", dump(*SMALL), dump(*SMALL), *args), f"{path} exists and is not a megalign {kind}")
+    assert path.read_bytes() == before
+
+
+def test_json_replaces_its_own_report_and_an_empty_file(dump, tmp_path):
+    report, empty = tmp_path / "report.jsonl", tmp_path / "empty.jsonl"
+    empty.touch()  # as `mktemp` leaves it
+    for path in (report, report, empty):
+        result = invoke("compare", dump(*SMALL), dump(*SMALL), "--json", path)
+        assert result.exit_code == 0, result.output
+        assert json.loads(path.read_text().splitlines()[-1])["record"] == "summary"
+
+
 @pytest.mark.parametrize("shape", [[2 ** 31, 2 ** 31], [2 ** 59]])
 def test_a_shape_larger_than_its_file_is_refused_before_allocating(dump, tmp_path, shape):
     """Claimed sizes past int64 (a torch overflow today) and past any machine's memory."""

@@ -216,7 +216,9 @@ def test_a_gap_at_the_first_response_token_is_over_represented_there(rollouts, t
 def test_export_worst_writes_a_tokens_file_forward_runs(rollouts, trainer, tmp_path):
     checkpoint, files = rollouts
     worst = tmp_path / "worst.json"
-    worst.write_text("an older file: replaced, as --json replaces its file\n")
+    earlier = {"tokens": [[1, 2]], "sequences": [0], "prompt_lengths": [1], "rollout": "older.json",
+               "worst_by_k3": [0], "worst_by_max_abs_diff": [0]}
+    worst.write_text(json.dumps(earlier))  # an earlier export: replaced, as --json replaces its report
     result, rows = compare(tmp_path, files["vllm.json"], trainer("--cp", "2"), "--export-worst", "1", worst)
     assert result.exit_code == 0, result.output
     exported = json.loads(worst.read_text())
@@ -228,8 +230,10 @@ def test_export_worst_writes_a_tokens_file_forward_runs(rollouts, trainer, tmp_p
     run = invoke("forward", "--stack", "hf", "--hf", checkpoint, "--tokens", worst, "--out", tmp_path / "repro")
     assert run.exit_code == 0, run.output
     # Its refusals, each one line, exit 2: N below 1, no rollout file, a path inside an input.
+    (tmp_path / "notes.json").write_text("[[1, 2, 3]]")  # a user's own tokens file
     for args, words in ((("--export-worst", "0", worst), "N must be at least 1"),
-                        (("--export-worst", "1", trainer("--cp", "2") / "w.json"), "inside the input")):
+                        (("--export-worst", "1", trainer("--cp", "2") / "w.json"), "inside the input"),
+                        (("--export-worst", "1", tmp_path / "notes.json"), "is not a megalign worst-sequences file")):
         refused = invoke("compare", files["vllm.json"], trainer("--cp", "2"), *args)
         assert refused.exit_code == 2 and words in refused.output and len(refused.output.splitlines()) == 1
     refused = invoke("compare", trainer("--cp", "2"), trainer("--cp", "2", "--packed", "--attention", "torch"),

@@ -192,3 +192,54 @@ def test_a_finished_run_leaves_no_temporary_files(tmp_path, monkeypatch):
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert leftovers(scratch) == []
+
+
+@pytest.mark.parametrize("save, out", [("x", "x/dump"), ("x/checkpoint", "x"), ("x.partial", "x"), ("x", "x.partial")])
+def test_save_and_out_inside_one_another_are_refused_up_front(tmp_path, save, out):
+    """Landing the outer folder would find the inner one in it: the run's dump or checkpoint was lost."""
+    result = invoke("forward", "--save", tmp_path / save, "--out", tmp_path / out)
+    assert result.exit_code == 2
+    assert f"--save {tmp_path / save} and the dump's folder (--out {tmp_path / out}) are one inside the other" \
+        in error_line(result)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_beside_out_lands_both(tmp_path):
+    result = invoke("forward", "--save", tmp_path / "x.checkpoint", "--out", tmp_path / "x")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "x" / "dump.json").is_file() and (tmp_path / "x.checkpoint" / "megalign.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x", "x.checkpoint"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 64 KiB file system (tmpfs): a full disk without filling the machine's."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_dump_that_fills_the_disk_is_one_line_and_leaves_nothing(small_disk):
+    result = invoke("forward", "--out", small_disk / "out")
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: writing the dump into {small_disk / 'out.partial'} failed: [Errno 28] No " \
+                                 "space left on device"
+    assert list(small_disk.iterdir()) == []
+
+
+def test_a_disk_full_before_the_run_is_one_line_and_keeps_the_users_files(small_disk):
+    mine = small_disk / "data.bin"
+    with open(mine, "wb") as file:  # the user's file takes the disk's last byte
+        with pytest.raises(OSError, match="No space left on device"):
+            file.write(b"x" * (1 << 20))
+    size = mine.stat().st_size
+    result = invoke("forward", "--out", small_disk / "out")
+    assert result.exit_code == 2
+    assert error_line(result) == f"error: cannot create {small_disk / 'out.partial'}: No space left on device"
+    assert sorted(p.name for p in small_disk.iterdir()) == ["data.bin"] and mine.stat().st_size == size

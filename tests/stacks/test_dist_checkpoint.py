@@ -2,8 +2,8 @@
 
 Saved from its Hugging Face weights at TP=3 and loaded at CP=2 PP=2, resharded by megatron-core: the same
 model to the last tensor. A checkpoint converted with two layers swapped is caught at the first of them. A
-checkpoint of another model, a folder that is no checkpoint, an index that pickles code and a --save onto a
-user's folder are each one line and exit 2.
+checkpoint of another model, a folder that is no checkpoint, an index that pickles code, a missing, empty or
+truncated .distcp file and a --save onto a user's folder are each one line and exit 2.
 """
 
 from __future__ import annotations
@@ -63,13 +63,35 @@ def test_a_checkpoint_with_two_layers_swapped_is_caught_at_the_first(saved, dump
     assert before and all(r["status"] == "pass" for r in before)
 
 
-def without_model_file(folder: Path, target: Path) -> Path:
-    """The checkpoint as Megatron-LM leaves it: its files (linked), no megalign.json."""
+def linked_copy(folder: Path, target: Path, but: str = "") -> Path:
+    """The checkpoint's files linked into `target`, all but the one named `but`."""
     target.mkdir()
     for file in folder.iterdir():
-        if file.name != "megalign.json":
+        if file.name != but:
             (target / file.name).symlink_to(file)
     return target
+
+
+def without_model_file(folder: Path, target: Path) -> Path:
+    """The checkpoint as Megatron-LM leaves it: its files (linked), no megalign.json."""
+    return linked_copy(folder, target, but="megalign.json")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "missing"])
+def test_a_damaged_distcp_file_is_one_line_before_the_run(saved, tmp_path, damage):
+    """A copy cut short: the index names bytes its .distcp file does not hold (megatron-core's error was 80 lines)."""
+    original = sorted(saved[0].glob("*.distcp"))[0]
+    damaged = linked_copy(saved[0], tmp_path / "copy", but=original.name)
+    kept = {"truncated": original.stat().st_size // 2, "empty": 0}.get(damage)
+    if kept is not None:
+        with open(original, "rb") as whole:
+            (damaged / original.name).write_bytes(whole.read(kept))
+    result = invoke("forward", "--load", damaged, "--out", tmp_path / "out")
+    assert result.exit_code == 2
+    expected = f"{original.name} is missing (its .metadata names it)" if kept is None else \
+        f"{original.name} holds {kept} bytes of the"
+    assert f"--load {damaged}: {expected}" in error_line(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
 
 
 def test_a_wrong_config_for_a_checkpoint_is_exit_2(saved, tmp_path):
@@ -153,7 +175,7 @@ def test_save_onto_a_users_folder_is_exit_2_and_touches_nothing(tmp_path):
     assert result.exit_code == 2
     assert f"--save {mine} exists and is not empty" in error_line(result)
     result = invoke("forward", "--save", tmp_path / "out", "--out", tmp_path / "out")
-    assert result.exit_code == 2 and "is the dump's folder" in error_line(result)
+    assert result.exit_code == 2 and "one inside the other" in error_line(result)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "my notes"
 

@@ -4,9 +4,9 @@ megatron-core itself reshards a checkpoint of any layout to this run's.
 
 Nothing in a checkpoint is unpickled by the full unpickler: the folder may come from anyone. torch_dist's
 load reaches pickle in four places (megatron-core 0.19.2, torch 2.13), and each is held back here:
-- `.metadata`, torch DCP's index: FileSystemReader.read_metadata calls pickle.load. It is read by an
-  unpickler that builds only DCP's own metadata dataclasses and enums, torch.Size, dtypes and layouts;
-  anything else in it (a reduce to os.system) is refused with one line.
+- `.metadata`, torch DCP's index: FileSystemReader.read_metadata calls pickle.load. It is read by
+  dist_checkpoint.load_index, which builds only DCP's own metadata dataclasses and enums, torch.Size,
+  dtypes and layouts; anything else in it (a reduce to os.system) is refused with one line.
 - the common state (Megatron-LM's args, iteration, ...: common.pt, or the `common_state` object, which
   DCP's DefaultLoadPlanner.load_bytes reads with torch.load(weights_only=False)): never read, megalign
   takes only the model's tensors from a checkpoint.
@@ -17,8 +17,6 @@ load reaches pickle in four places (megatron-core 0.19.2, torch 2.13), and each 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import functools
 import importlib
 import pickle
@@ -34,19 +32,15 @@ from megatron.core.models.gpt import GPTModel
 
 from megalign.errors import UserError
 from megalign.spec import ModelConfig, RunSpec
-from megalign.stacks.dist_checkpoint import write_model
+from megalign.stacks.dist_checkpoint import load_index, write_model
 
 # The pickle-reaching names replaced while a checkpoint is read ("module:attribute").
 HELD_BACK = ("torch.distributed.checkpoint.filesystem:pickle",
              "megatron.core.dist_checkpointing.serialization:load_common_state_dict",
              "torch:load")
-# Where DCP's index classes live; older torch wrote TensorProperties from the sharded_tensor module.
-_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                  "torch.distributed.checkpoint.filesystem", "torch.distributed._shard.sharded_tensor.metadata")
 # GPTModel's modules: a checkpoint's other keys (Megatron-LM's optimizer state, ...) are not the model's.
 _MODEL_ROOTS = ("embedding", "decoder", "output_layer")
 _PADDING_ROWS = 128 * 64
-_INDEX_NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
 
 
 def load_checkpoint(model: GPTModel, folder: Path, model_config: ModelConfig) -> None:
@@ -108,7 +102,7 @@ def _held_back(folder: Path) -> Iterator[None]:
     """While megatron-core reads `folder`: the index through _IndexUnpickler, no common state, torch.load weights_only."""
     owners = [(importlib.import_module(target.split(":")[0]), target.split(":")[1]) for target in HELD_BACK]
     saved = [getattr(owner, name) for owner, name in owners]  # an AttributeError names a target that moved
-    replacements = [types.SimpleNamespace(load=_index_loader(folder), dump=pickle.dump),
+    replacements = [types.SimpleNamespace(load=functools.partial(load_index, folder), dump=pickle.dump),
                     lambda checkpoint_dir: {}, functools.partial(_weights_only, saved[2])]
     for (owner, name), replacement in zip(owners, replacements):
         setattr(owner, name, replacement)
@@ -121,27 +115,3 @@ def _held_back(folder: Path) -> Iterator[None]:
 
 def _weights_only(load, *args, **kwargs):
     return load(*args, **{**kwargs, "weights_only": True})
-
-
-def _index_loader(folder: Path):
-    def load(file):
-        try:
-            return _IndexUnpickler(file).load()
-        except pickle.UnpicklingError as e:
-            raise UserError(f"--load {folder}: its .metadata holds {e}, which megalign does not unpickle (a torch "
-                            "DCP index holds only DCP's metadata classes)") from None
-
-    return load
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    """Builds only what a torch DCP index holds: DCP's metadata dataclasses and enums, torch.Size, dtypes, layouts."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _INDEX_NAMES or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return super().find_class(module, name)
-        if module in _INDEX_MODULES:
-            found = getattr(importlib.import_module(module), name, None)
-            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
-                return found
-        raise pickle.UnpicklingError(f"{module}.{name}")
