@@ -38,24 +38,25 @@ from typing import Iterable, Optional, Union
 from megalign.compare.metrics import StatsMetrics, TensorMetrics
 from megalign.dump.format import REPEAT
 
-# precision -> (FLOOR, SPREAD), from SmolLM2-135M, transformers against megatron-core (bench/calibrate.py,
-# docs/compare.md "Verdicts on a real model"); the deviations seen stay under 0.48 (fp32) and 0.69 (bf16) of them.
-# fp32: parameter gradients deviate up to 3.2e-4 on the 576-element norm weights (the massive-activation
-# channel), 1.9e-5 on 553k-element matrices; deviation*sqrt(n) reaches 0.014 -> SPREAD 0.03, FLOOR 1e-5.
-# A factor 1.001 fails on every tensor over 900 elements.
-# bf16: rounding is far from independent: norm weights deviate up to 0.26 (576 elements), the matrices up
-# to 0.077 at TP=3 (553k elements; both stacks' scatter so against fp64), the
-# 28M-element embedding 0.024 -> SPREAD 9 (0.375 at 576 elements), FLOOR 0.12. A factor 1.5 fails on
-# every matrix; 1.05 is within what bf16 rounding does to one gradient (check_kinds catches it as a whole).
-TOLERANCE = {"fp32": (1e-5, 0.03), "bf16": (0.12, 9.0)}
+# precision -> (FLOOR, SPREAD), from SmolLM2-135M, transformers against megatron-core at TP=3, CP=2, TP=3+SP,
+# PP=2 and packed rows, over 28 texts (bench/calibrate.py, docs/compare.md "Verdicts on a real model"): each
+# is twice the largest deviation seen, and 12 texts not fitted on stay within them.
+# fp32: parameter gradients deviate up to 2.7e-4 on the 576-element norm weights (the massive-activation
+# channel), 2.7e-5 on the 1.8M-element matrices; deviation*sqrt(n) reaches 0.0066 on what FLOOR does not
+# cover -> FLOOR 6e-5, SPREAD 0.015. A factor 1.001 fails on every tensor over 225 elements.
+# bf16: rounding is far from independent: norm weights deviate up to 0.55 (576 elements, fp32 against
+# bf16 weights), the 1.8M-element matrices up to 0.078 between the stacks on some texts -> SPREAD 27,
+# FLOOR 0.18. A factor 1.5 fails on every matrix over 2,916 elements; 1.1 is within what bf16 rounding
+# does to one gradient (check_kinds catches it as a whole).
+TOLERANCE = {"fp32": (6e-5, 0.015), "bf16": (0.18, 27.0)}
 ONE_SIGNED = 0.5  # |mean| / rms from which a tensor's sum is compared
 # The kinds a loss normalised over the wrong count rescales as a whole; the median of their norm ratios
-# is judged from WHOLE_LEAST tensors of one step, at WHOLE_TOLERANCE. Measured on SmolLM2 (bench/calibrate.py,
-# docs/compare.md "Verdicts on a real model"): the median deviates up to 0.0077 at bf16 (megatron TP=3 against
-# transformers, 182 gradients) and 1.1e-5 at fp32, a third of the tolerance or less.
+# is judged from WHOLE_LEAST tensors of one step, at WHOLE_TOLERANCE. Measured on SmolLM2 over the same
+# texts and layouts: the median deviates up to 0.032 at bf16 (megatron-core CP=2 against transformers, 182
+# gradients: a bias of the stacks' bf16 rounding on some texts, 0.011 at most on others) and 5e-6 at fp32.
 WHOLE_KINDS = ("param_grad", "activation_grad")
 WHOLE_LEAST = 8
-WHOLE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.025}
+WHOLE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.065}
 # A tolerance from which a factor 1.5 passes: the check verifies nothing it is for (check_small).
 UNVERIFIED = 0.5
 # a step's name (step1/...) or a later step's repeat of a name (a loop's add() outside step blocks)

@@ -375,8 +375,8 @@ class _Comparison:
             return row
         unverifiable = [f"{side}: {v.unverifiable}" for side, v in (("A", x), ("B", y)) if v.unverifiable]
         if unverifiable:
-            threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision_of(
-                run_precision(self.a.precision, x.dtype), run_precision(self.b.precision, y.dtype)))
+            precision = precision_of(run_precision(self.a.precision, x.dtype), run_precision(self.b.precision, y.dtype))
+            threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision, x.shape)
             ruled_out = [f"{side}: {why}" for side, v, other in (("A", x, y), ("B", y, x))
                          if v.parts is not None and (why := _no_reduction_fits(v.parts, other, threshold))]
             row.status = FAIL if ruled_out else UNVERIFIABLE
@@ -387,7 +387,7 @@ class _Comparison:
             return row
         precision_a, precision_b = run_precision(self.a.precision, x.dtype), run_precision(self.b.precision, y.dtype)
         precision = precision_of(precision_a, precision_b)
-        threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision)
+        threshold = self.thresholds.for_tensor(pair.kind, pair.name, precision, x.shape)
         replicas_disagree = _judge_replicas(row, x, y, threshold)
         if _is_routing_choice(pair.kind, x, y):
             return _routing_row(row, x, y, replicas_disagree)
@@ -409,7 +409,7 @@ class _Comparison:
         if r is not None and x.tensor is not None and y.tensor is not None:
             truth = r.load()
             if truth.tensor is not None and list(truth.shape) == list(x.shape):
-                row.reference = judge(pair.kind, tensor_metrics(x.tensor, truth.tensor).rel_diff,
+                row.reference = judge(pair.kind, x.shape, tensor_metrics(x.tensor, truth.tensor).rel_diff,
                                       tensor_metrics(y.tensor, truth.tensor).rel_diff, precision_a, precision_b)
                 diverged = row.reference.off is not None
                 row.threshold = None  # the reference judged this row, not a threshold

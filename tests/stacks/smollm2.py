@@ -10,6 +10,7 @@ import pytest
 from conftest import invoke
 from planted import swap_query_and_key_head, with_config
 from real_checkpoint import build
+from texts import TESTS, batch_tokens
 
 
 @pytest.fixture(scope="session")
@@ -17,7 +18,10 @@ def smollm2(tmp_path_factory):
     """The checkpoint, its planted-bug copies, and a run(mode, *args) that dumps it once per session."""
     checkpoint = build()
     root = tmp_path_factory.mktemp("smollm2")
-    return {"real": checkpoint,
+    # Texts no tolerance was fitted on (tests/texts.py): a sample of bench/calibrate.py's held-out sweep.
+    tokens = root / "held-out.json"
+    tokens.write_text(json.dumps(batch_tokens(checkpoint, TESTS)))
+    return {"real": checkpoint, "tokens": tokens,
             "qk-swapped": swap_query_and_key_head(checkpoint, root / "qk-swapped"),
             # A conversion that wrote rms_norm_eps 1e-6 instead of 1e-5.
             "eps": with_config(checkpoint, root / "eps", rms_norm_eps=1e-6)}
@@ -27,7 +31,7 @@ def smollm2(tmp_path_factory):
 def run(dump, smollm2):
     def make(mode: str, *args: str, checkpoint: str = "real") -> Path:
         ckpt = smollm2[checkpoint]
-        return dump(mode, "--hf", str(ckpt), "--tokens", str(smollm2["real"] / "tokens.json"), "--seq-len", "36",
+        return dump(mode, "--hf", str(ckpt), "--tokens", str(smollm2["tokens"]), "--seq-len", "36",
                     *args)
 
     return make

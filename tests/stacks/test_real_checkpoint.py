@@ -76,23 +76,35 @@ def test_rescaled_gradients_fail_where_rounding_passes(run, tmp_path, dtype, fac
     assert sum(r["metrics"]["rel_diff"] < r["threshold"] for r in big) > len(big) / 2
 
 
-def test_bf16_gradients_times_1_05_fail_as_a_whole(run, tmp_path):
-    """bf16 rounding moves one gradient's norm by up to 7.7% between the stacks, so a factor 1.05 hides in
-    each gradient alone; the median of the 182 norm ratios moves by 0.8% at most (compare/scale.py
+def test_bf16_gradients_times_1_1_fail_as_a_whole(run, tmp_path):
+    """bf16 rounding moves one gradient's norm by up to 8% between the stacks, so a factor 1.1 hides in
+    most gradients alone; the median of the 182 norm ratios moves by 3.2% at most (compare/scale.py
     check_kinds), and reads the factor. The unscaled pair passes in the test above."""
     hf, tp3 = run("backward", "--stack", "hf", "--dtype", "bf16"), run("backward", "--tp", "3", "--dtype", "bf16")
     scaled = tmp_path / "scaled"
     shutil.copytree(tp3, scaled)
-    rescale(scaled, "param_grad", 1.05)
+    rescale(scaled, "param_grad", 1.1)
     result, rows, summary = compare(tmp_path, hf, scaled, "--filter", r"\.weight$")
     assert result.exit_code == 1, result.output
     [whole] = summary["rescaled"]
-    assert whole["kind"] == "param_grad" and whole["tensors"] == 182 and 1.04 < whole["median_ratio"] < 1.06
+    assert whole["kind"] == "param_grad" and whole["tensors"] == 182 and 1.08 < whole["median_ratio"] < 1.12
     assert all(r["status"] == "fail" for r in rows)
     alone = [r for r in rows if not r["scale"]["off"]]  # what the check of each gradient alone passes
     assert len(alone) > 100 and all("rescaled as a whole" in r["notes"][-1] for r in alone)
     assert summary["first_divergence"] == f"param_grad {rows[0]['name']}"
     assert "rescaled: param_grad rescaled as a whole: median norm ratio B/A 1.0" in " ".join(result.output.split())
+
+
+def test_bf16_on_texts_no_tolerance_was_fitted_on_agrees(run, tmp_path):
+    """A sample of bench/calibrate.py's held-out sweep: transformers against megatron-core at CP=2 in bf16,
+    on texts no tolerance was fitted on (tests/texts.py). Their parameter gradients' median norm ratio
+    moves by 3.2% from rounding: the 2.5% fitted on one text failed all 182 as rescaled, and a
+    576-element norm gradient's relative difference of 0.15 failed the bf16 threshold of 0.1."""
+    result, rows, summary = compare(tmp_path, run("backward", "--stack", "hf", "--dtype", "bf16"),
+                                    run("backward", "--cp", "2", "--dtype", "bf16"))
+    assert result.exit_code == 0, result.output
+    grads = [r for r in rows if r["kind"] == "param_grad"]
+    assert len(grads) == 2 + 30 * 6 and all(r["status"] == "pass" for r in grads) and summary["rescaled"] == []
 
 
 @pytest.mark.parametrize("reference", [False, True], ids=["default", "reference"])
@@ -138,7 +150,7 @@ def test_logprob_rows_report_the_mismatch_figures(run, smollm2, tmp_path):
     result, rows, _ = compare(tmp_path, run("forward", "--stack", "hf"), run("forward", "--stack", "hf", "--dtype",
                                                                             "bf16"), "--filter", "^logprobs$")
     lp = rows[0]["logprobs"]
-    sequences = json.loads((smollm2["real"] / "tokens.json").read_text())
+    sequences = json.loads(smollm2["tokens"].read_text())
     assert lp["tokens"] == sum(len(s) - 1 for s in sequences)  # positions with a label only, not the padding
     assert 0 < lp["mean_abs_diff"] <= lp["p99_abs_diff"] <= lp["max_abs_diff"] < 1
     assert lp["k3_kl"] > 0 and lp["ratio_min"] <= lp["ratio_p1"] <= lp["ratio_p50"] <= lp["ratio_p99"] <= lp["ratio_max"]
