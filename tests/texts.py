@@ -26,7 +26,7 @@ HELD_OUT = range(28, 40)  # texts no tolerance was fitted on: they must not move
 WORDS = 40  # a text's length in words (about 50 to 70 tokens)
 BATCH = 4  # texts a run
 LENGTHS = (36, 31, 26, 20)  # each text's tokens in its batch: padded rows of several lengths
-TESTS = 6  # the held-out batch the tests of the real checkpoint run (tests/stacks/smollm2.py)
+TESTS = 6  # the batch the tests of the real checkpoint run (tests/stacks/smollm2.py)
 
 
 def batch_tokens(checkpoint, batch: int) -> list[list[int]]:

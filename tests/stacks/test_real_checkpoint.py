@@ -95,11 +95,12 @@ def test_bf16_gradients_times_1_1_fail_as_a_whole(run, tmp_path):
     assert "rescaled: param_grad rescaled as a whole: median norm ratio B/A 1.0" in " ".join(result.output.split())
 
 
-def test_bf16_on_texts_no_tolerance_was_fitted_on_agrees(run, tmp_path):
-    """A sample of bench/calibrate.py's held-out sweep: transformers against megatron-core at CP=2 in bf16,
-    on texts no tolerance was fitted on (tests/texts.py). Their parameter gradients' median norm ratio
-    moves by 3.2% from rounding: the 2.5% fitted on one text failed all 182 as rescaled, and a
-    576-element norm gradient's relative difference of 0.15 failed the bf16 threshold of 0.1."""
+def test_bf16_on_other_texts_agrees(run, tmp_path):
+    """A sample of bench/calibrate.py's sweep: transformers against megatron-core at CP=2 in bf16, on texts
+    other than the two the tolerances were once fitted on (tests/texts.py, batch 6). Their parameter
+    gradients' median norm ratio moves by 3.2% from rounding: the 2.5% fitted on one text failed all 182
+    as rescaled, and a 576-element norm gradient's relative difference of 0.15 failed the bf16 threshold
+    of 0.1."""
     result, rows, summary = compare(tmp_path, run("backward", "--stack", "hf", "--dtype", "bf16"),
                                     run("backward", "--cp", "2", "--dtype", "bf16"))
     assert result.exit_code == 0, result.output
