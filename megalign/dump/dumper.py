@@ -54,7 +54,7 @@ from megalign.dump.meta import dump_meta
 from megalign.dump.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
-from megalign.dump.writer import RankWriter
+from megalign.dump.writer import RankWriter, check_storable
 from megalign.errors import UserError
 
 if TYPE_CHECKING:
@@ -180,14 +180,16 @@ class Dumper:
                 call: Optional[int] = None) -> None:
         """add(); `unless_zero`: left out of the dump if its statistics say it is all zero; `call`: an
         activation gradient's forward call (TensorRecord.call)."""
-        if reason := check_name(name):  # in every step, not first in the one chosen, long into a run
+        # What add() refuses, it refuses in every step: not first in the one chosen, long into a run.
+        if reason := check_name(name):
             raise ValueError(f"{kind} {reason}")
-        if not self._writing:
-            return
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{kind} {name}: a torch.Tensor is needed, got {type(tensor).__name__}")
+        check_storable(kind, name, tensor)
+        if not self._writing:
+            return
         if is_dtensor(tensor):
             if sharding not in (None, Sharding()):
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
