@@ -98,8 +98,9 @@ def _above_zero(rollout: torch.Tensor, keep: torch.Tensor) -> Optional[str]:
     largest = rollout.masked_fill(~above, -math.inf)
     sequence, position = unravel(int(largest.argmax()), list(largest.shape))
     return (f"impossible logprobs: {int(above.sum())} of the rollout's {int(keep.sum())} above 0 by more than "
-            f"rounding ({ROUNDING_ABOVE_ZERO:g}), a probability above 1 (the largest {float(largest.max()):.3g} at seq {sequence} pos {position}): they are not the "
-            "log-probabilities of the tokens, whatever the sampling (a sign lost, a score, another field)")
+            f"rounding ({ROUNDING_ABOVE_ZERO:g}), a probability above 1 (the largest {float(largest.max()):.3g} at seq "
+            f"{sequence} pos {position}): they are not the log-probabilities of the tokens, whatever the sampling (a "
+            "sign lost, a score, another field)")
 
 
 def _mean_square(x: torch.Tensor) -> float:
