@@ -102,6 +102,20 @@ def test_a_name_that_reads_as_a_repeat_is_refused(tmp_path):
     assert invoke("compare", tmp_path / "twice", tmp_path / "twice").exit_code == 0
 
 
+def test_a_watched_name_that_reads_as_a_repeat_is_refused_at_watch(tmp_path):
+    """A ModuleDict key `expert@1` names the module's output as a repeat reads: add() refused it from a
+    forward hook, in the middle of the run. watch() refuses it, and a parameter named so (its gradient
+    is added at each step's end), before anything is hooked; the Dumper is aborted, nothing left."""
+    experts = torch.nn.ModuleDict({"expert@1": torch.nn.Linear(2, 2)})
+    scaled = torch.nn.Linear(2, 2)
+    scaled.register_parameter("scale@2", torch.nn.Parameter(torch.ones(2)))
+    for model, outputs, refused in ((experts, True, "module 'expert@1'"), (scaled, False, "parameter 'scale@2'")):
+        dumper = megalign.Dumper(tmp_path / "run")
+        with pytest.raises(ValueError, match=rf"watch\(\): the {refused} ends as megalign names a name's repeats"):
+            dumper.watch(model, outputs=outputs)
+        assert list(tmp_path.iterdir()) == [] and not experts["expert@1"]._forward_hooks
+
+
 class Down(torch.nn.Linear):
     """A linear layer as TP=2 computes it (`parts=2`): each rank's half of the input features
     multiplied, the halves summed; `planted`: the bug, the second half scaled."""
