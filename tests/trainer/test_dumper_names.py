@@ -172,7 +172,9 @@ def test_a_dumper_is_told_the_precision_it_cannot_see(tmp_path):
     # The failing twin: 30% off fails bf16's row too.
     with megalign.Dumper(tmp_path / "off", dtype="bf16") as dumper:
         dumper.add("activation", "h", h * 1.3)
-    assert invoke("compare", tmp_path / "a", tmp_path / "off").exit_code == 1
+    result = invoke("compare", tmp_path / "a", tmp_path / "off")
+    assert result.exit_code == 1, result.output
+    assert "first divergence: activation h\n" in result.output  # where the planted error is
     with pytest.raises(ValueError, match="dtype: one of fp16, bf16, fp32, fp64 or a torch float dtype, got 'int8'"):
         megalign.Dumper(tmp_path / "refused", dtype="int8")
     assert not (tmp_path / "refused").exists() and not (tmp_path / "refused.partial").exists()
