@@ -38,6 +38,20 @@ def test_overwrite_never_deletes_a_folder_that_is_not_a_dump(tmp_path):
     assert (precious / "notes.txt").read_text() == "mine"
 
 
+def test_replacing_the_folder_of_an_option_with_no_overwrite_flag_is_refused_in_one_line(tmp_path):
+    """check_replaceable looked its flag up in REPLACE_WITH: a flag without an overwrite option (--save) was a
+    KeyError, a traceback, where a one-line refusal was due."""
+    from megalign.dump.landing import check_replaceable
+    from megalign.errors import UserError
+
+    mine = user_folder(tmp_path / "mine")
+    with pytest.raises(UserError) as refused:
+        check_replaceable(mine, "--save")
+    assert str(refused.value) == f"--save {mine} is not a megalign dump (no megalign dump.json in it); megalign " \
+                                 "only replaces megalign dumps"
+    assert (mine / "notes.txt").read_text() == "mine"
+
+
 def copy_of(dump_dir: Path, where: Path) -> Path:
     shutil.copytree(dump_dir, where)
     return where
