@@ -61,6 +61,17 @@ def test_a_tensor_no_dump_can_hold_is_refused_at_add_and_the_rest_lands(tmp_path
     assert "first divergence: activation h8\n" in result.output
 
 
+@pytest.mark.filterwarnings("ignore:megalign.Dumper")  # step 100 never runs: the dump holds no step, as meant
+def test_a_tensor_no_dump_can_hold_is_refused_outside_the_chosen_steps(tmp_path):
+    """Checked only inside a chosen step, a complex tensor added every step passed until step 100, long
+    into the run, and there stopped it. It is refused at its first add(), whatever the steps chosen."""
+    with megalign.Dumper(tmp_path / "run", steps=[100]) as dumper:
+        with dumper.step(0):
+            with pytest.raises(TypeError) as refused:
+                dumper.add("activation", "z", torch.ones(2, dtype=torch.complex64))
+    assert str(refused.value) == f"activation z: megalign stores {STORED}; got a complex64 tensor"
+
+
 # A user's script that forks while its Dumper is open: one child only exits (sys.exit, its at-exit hooks
 # run), the other tries the parent's Dumper; the parent goes on and closes it.
 FORKS = """

@@ -18,12 +18,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Optional
 
 from megalign.compare.metrics import StatsMetrics
 from megalign.compare.rollout_findings import RolloutFindings
 from megalign.compare.verdict import Report, Row
+
+
+# How much of each end of a file is_report reads. A tensor record is under 2 KiB; the summary lists a name per
+# tensor at most (nonfinite_in_both): 16 MiB holds it for some 100,000 tensors, and a larger one is not replaced.
+END_BYTES = 16 << 20
 
 
 def row_record(row: Row, first_divergence: bool) -> dict:
@@ -55,16 +61,32 @@ def write_jsonl(report: Report, path: Path, rollout: Optional[RolloutFindings] =
 
 
 def is_report(path: Path) -> bool:
-    """Whether `path` holds what write_jsonl writes: tensor records, then the summary record, one a line."""
+    """Whether `path` holds what write_jsonl writes: tensor records, then the summary record, one a line.
+    Only its two ends are read, END_BYTES each, so that a user's file of any size (a disk image, a core
+    dump without a newline) costs no more: a tensor record first and the summary last, or the summary alone."""
     try:
-        with open(path, encoding="utf-8") as file:
-            kinds = [_record_kind(line) for line in file]  # stops at the first line that is not JSON
-    except (OSError, ValueError):
+        with open(path, "rb") as file:
+            first = file.readline(END_BYTES)
+            size = file.seek(0, os.SEEK_END)
+            file.seek(max(0, size - END_BYTES))
+            last = _last_line(file.read(END_BYTES), whole=size <= END_BYTES)
+        kinds = _record_kind(first), _record_kind(last)
+    except (OSError, ValueError):  # UnicodeDecodeError and JSON's errors are ValueErrors
         return False
-    return kinds[-1:] == ["summary"] and set(kinds[:-1]) <= {"tensor"}
+    if kinds == ("summary", "summary"):
+        return len(first) == size  # the one line of a report of no tensor
+    return kinds == ("tensor", "summary")
 
 
-def _record_kind(line: str) -> Optional[str]:
+def _last_line(tail: bytes, whole: bool) -> bytes:
+    """The last line of a file that ends in `tail` (`whole`: the whole file); ValueError where it is longer."""
+    _, newline, last = tail.removesuffix(b"\n").rpartition(b"\n")
+    if not newline and not whole:
+        raise ValueError(f"a last line longer than {END_BYTES} bytes")
+    return last
+
+
+def _record_kind(line: bytes) -> Optional[str]:
     record = json.loads(line)
     return record.get("record") if isinstance(record, dict) else None
 

@@ -6,7 +6,8 @@ the rollout, so k3 = mean((r - 1) - log r), r = exp(delta), estimates KL(rollout
 - the worst sequences by k3 and by max |delta|;
 - causes, each named instead of a wall of failures, tested on the numbers (the files do not record
   which logprobs an engine returned; docs/compare.md):
-  - a logprob above 0 (a probability above 1): impossible whatever the sampling, said before the rest;
+  - a logprob above 0 (a probability above 1), beyond an engine's rounding: impossible whatever the
+    sampling, said before the rest;
   - logprobs one position off: the rollout's logprob of token k is the trainer's of token k +- 1;
   - temperature: the engine's log softmax(logits / T) (SGLang's output logprobs, vLLM's
     processed_logprobs), with T fitted to the trainer's logits;
@@ -28,6 +29,10 @@ from megalign.compare.metrics import k3_terms, logprob_gap, unravel
 WORST = 5  # sequences listed per table: the outliers, not a second report
 EXPLAINED = 0.01  # a cause explains the gap when it leaves less than 1% of its mean square
 T_RANGE = (0.05, 20.0)
+# How far above 0 a logprob may be before it is impossible: an engine's float32 log_softmax rounds a
+# near-certain token's to a few ulps of its logits above 0 (+1e-7 .. +1e-5), which is no wrong field;
+# 1e-3 (a probability of 1.001) is far above any such rounding and far below a sign lost or a score.
+ROUNDING_ABOVE_ZERO = 1e-3
 
 
 @dataclass
@@ -87,14 +92,15 @@ def causes(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, tok
 
 
 def _above_zero(rollout: torch.Tensor, keep: torch.Tensor) -> Optional[str]:
-    above = keep & (rollout > 0)
+    above = keep & (rollout > ROUNDING_ABOVE_ZERO)
     if not above.any():
         return None
     largest = rollout.masked_fill(~above, -math.inf)
     sequence, position = unravel(int(largest.argmax()), list(largest.shape))
-    return (f"impossible logprobs: {int(above.sum())} of the rollout's {int(keep.sum())} above 0, a probability above "
-            f"1 (the largest {float(largest.max()):.3g} at seq {sequence} pos {position}): they are not the "
-            "log-probabilities of the tokens, whatever the sampling (a sign lost, a score, another field)")
+    return (f"impossible logprobs: {int(above.sum())} of the rollout's {int(keep.sum())} above 0 by more than "
+            f"rounding ({ROUNDING_ABOVE_ZERO:g}), a probability above 1 (the largest {float(largest.max()):.3g} at seq "
+            f"{sequence} pos {position}): they are not the log-probabilities of the tokens, whatever the sampling (a "
+            "sign lost, a score, another field)")
 
 
 def _mean_square(x: torch.Tensor) -> float:

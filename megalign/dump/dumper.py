@@ -36,7 +36,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from megalign.dump.meta import dump_meta
 from megalign.dump.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
-from megalign.dump.writer import RankWriter
+from megalign.dump.writer import RankWriter, check_storable
 from megalign.errors import UserError
 
 if TYPE_CHECKING:
@@ -180,14 +180,16 @@ class Dumper:
                 call: Optional[int] = None) -> None:
         """add(); `unless_zero`: left out of the dump if its statistics say it is all zero; `call`: an
         activation gradient's forward call (TensorRecord.call)."""
-        if reason := check_name(name):  # in every step, not first in the one chosen, long into a run
+        # What add() refuses, it refuses in every step: not first in the one chosen, long into a run.
+        if reason := check_name(name):
             raise ValueError(f"{kind} {reason}")
-        if not self._writing:
-            return
         if kind not in KINDS:
             raise ValueError(f"kind {kind!r} is not one of {', '.join(KINDS)}")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{kind} {name}: a torch.Tensor is needed, got {type(tensor).__name__}")
+        check_storable(kind, name, tensor)
+        if not self._writing:
+            return
         if is_dtensor(tensor):
             if sharding not in (None, Sharding()):
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
@@ -232,8 +234,8 @@ class Dumper:
         get_batch_on_this_cp_rank gives them; another split would read as a divergence). Packed (THD)
         rows: the documents are read from the packed_seq_params of each forward call (cu_seqlens_q,
         and cu_seqlens_q_padded where the documents are padded), one packed row a DP rank (split per
-        document over CP ranks: the same in every dumped step); `cp_split` says how the row was split over CP ranks: "document", every
-        document zigzagged on its own (get_batch_on_this_cp_rank given cu_seqlens, TE's
+        document over CP ranks: the same in every dumped step); `cp_split` says how the row was split over
+        CP ranks: "document", every document zigzagged on its own (get_batch_on_this_cp_rank given cu_seqlens, TE's
         thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages:
         NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
         `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
@@ -251,7 +253,8 @@ class Dumper:
         process_group must be the Dumper's DP group: `dp_group`); FSDP2 and tensor parallel's
         DTensors are placed by their placements. Pipeline stages (`dp_group`) keep the whole model's
         module names. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
-        megalign.Sharding). A module watched already is refused (its tensors would be dumped twice).
+        megalign.Sharding). A module watched already is refused (its tensors would be dumped twice), and so is
+        a module or parameter named as a repeat reads (`expert@1`: add() would refuse its tensors mid-run).
         Outputs are tensors, or tuples and lists of them; a dict's values (a ModelOutput's) are not
         read: add() them. A refusal aborts the Dumper: no staging folder is left behind."""
         self._check_open("watch")
@@ -288,6 +291,10 @@ class Dumper:
         def named(path: str) -> str:
             return f"{prefix}.{path}" if prefix and path else prefix or path
 
+        # Names add() would refuse (check_name) are refused now, not from a hook in the middle of the run.
+        _check_names("parameter", (named(path) for path, _ in module.named_parameters()))
+        if outputs:
+            _check_names("module", (named(path) for path, _ in module.named_modules() if path))
         for path, param in module.named_parameters():
             self._watched.setdefault(named(path), param)
         if not outputs:
@@ -332,7 +339,8 @@ class Dumper:
             def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
                 if is_dtensor(tensor):
                     return Sharding(), None
-                split = (batch_dim is not None and tensor.ndim > batch_dim and (self.layout.dp > 1 or seq_dim is not None)
+                split = (batch_dim is not None and tensor.ndim > batch_dim
+                         and (self.layout.dp > 1 or seq_dim is not None)
                          and self._batch in (None, tensor.shape[batch_dim]))
                 tokens = seq_dim is not None and tensor.ndim > seq_dim and tensor.shape[seq_dim] == self._seq_len
                 return Sharding(dp_dim=batch_dim if split else None, seq_dim=seq_dim if tokens else None), None
@@ -658,6 +666,14 @@ def _autocast_precision(tensor: torch.Tensor) -> Optional[str]:
     if tensor.is_floating_point() and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return precision_name(dtype_name(torch.get_autocast_dtype(device)))
     return None
+
+
+def _check_names(what: str, names: Iterable[str]) -> None:
+    """ValueError for the first of a watched model's `names` (of a `what`: module, parameter) that
+    reads as a repeat: its tensors would be refused by add() once the run is under way."""
+    for name in names:
+        if reason := check_name(name):
+            raise ValueError(f"watch(): the {what} {reason}")
 
 
 def _step_number(n) -> int:

@@ -107,8 +107,9 @@ def _check_name_length(out: Path, folder: Path, flag: str) -> None:
 
 def check_replaceable(out: Path, flag: str) -> None:
     """--overwrite removes OUT only when it is a megalign dump and holds neither the working folder nor a parent
-    of it. `flag`: what OUT is to the user, a REPLACE_WITH key (the Dumper's out says overwrite=True)."""
-    replace = REPLACE_WITH[flag]
+    of it. `flag`: what OUT is to the user, a REPLACE_WITH key (the Dumper's out says overwrite=True); a
+    folder of another option (--save has no overwrite) is refused as one line too, not a KeyError."""
+    replace = REPLACE_WITH.get(flag, "megalign")
     resolved, cwd = out.resolve(), Path.cwd().resolve()
     if cwd == resolved or resolved in cwd.parents:
         raise UserError(f"{flag} {out} is the working folder or holds it; {replace} will not replace it")

@@ -35,6 +35,14 @@ WRITE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 SUMMARIES_PER_COPY = 256  # device statistics read back together
 
 
+def check_storable(kind: Kind, name: str, tensor: torch.Tensor) -> None:
+    """TypeError, one line, where no dump can hold `tensor`: asked at every add(), so that such a tensor
+    stops a run at its first add, not at close (the whole dump lost) or in a step chosen long into it."""
+    refused = unstorable(tensor)
+    if refused is not None:
+        raise TypeError(f"{kind} {name}: megalign stores {STORED}; got {refused}")
+
+
 class RankWriter:
     """Collects one rank's tensors and writes them in safetensors files of about `flush_bytes`."""
 
@@ -83,11 +91,8 @@ class RankWriter:
         """Record a tensor. `stable`: it will not change before close() (parameter gradients after the
         step), so it is written from where it is; any other is copied now. `unless_zero` (stats-only):
         the record is left out at close if its statistics say the tensor is all zero. `call`: an
-        activation gradient's forward call (TensorRecord.call). A tensor no dump can hold is refused
-        (TypeError), whatever the name filter says."""
-        refused = unstorable(tensor)
-        if refused is not None:
-            raise TypeError(f"{kind} {name}: megalign stores {STORED}; got {refused}")
+        activation gradient's forward call (TensorRecord.call). The Dumper has refused a tensor no dump
+        can hold already (check_storable), whatever the name filter or the steps chosen."""
         if not self.wants(kind, name):
             return
         self._raise()

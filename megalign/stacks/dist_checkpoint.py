@@ -62,9 +62,11 @@ def check_data_files(folder: Path) -> None:
     with open(folder / INDEX_FILE, "rb") as file:
         index = load_index(folder, file)
     needed: dict[str, int] = {}  # file -> the bytes it must hold
-    for stored in (getattr(index, "storage_data", None) or {}).values():
+    storage = getattr(index, "storage_data", None) or {}
+    for stored in storage.values() if isinstance(storage, dict) else ():
         if isinstance(stored, _StorageInfo):
-            needed[stored.relative_path] = max(needed.get(stored.relative_path, 0), stored.offset + stored.length)
+            name, end = _byte_range(folder, stored)
+            needed[name] = max(needed.get(name, 0), end)
     for name, size in sorted(needed.items()):
         have = (folder / name).stat().st_size if (folder / name).is_file() else None
         if have is None:
@@ -72,6 +74,20 @@ def check_data_files(folder: Path) -> None:
         if have < size:
             raise UserError(f"--load {folder}: {name} holds {have} bytes of the {size} its {INDEX_FILE} names: a "
                             "truncated checkpoint")
+
+
+def _byte_range(folder: Path, stored) -> tuple[str, int]:
+    """(file name, end) of one byte range of the index, refused unless the name is a plain file name in
+    `folder` and offset and length are byte counts: megatron-core reads whatever path the index names
+    (`..`, an absolute path: files outside --load), and other types met arithmetic as a traceback."""
+    name, offset, length = stored.relative_path, stored.offset, stored.length
+    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or Path(name).name != name:
+        raise UserError(f"--load {folder}: its {INDEX_FILE} names {name!r}, not a file of the checkpoint's folder: a "
+                        "damaged or planted index")
+    if not all(type(n) is int and n >= 0 for n in (offset, length)):  # bool is an int subclass: not a count
+        raise UserError(f"--load {folder}: its {INDEX_FILE} gives {name!r} offset {offset!r} length {length!r}, not "
+                        "byte counts: a damaged index")
+    return name, offset + length
 
 
 def load_index(folder: Path, file: BinaryIO):

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tracemalloc
 
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2, copy_dump, perturb
 from conftest import invoke
@@ -154,6 +155,28 @@ def test_a_report_path_linked_to_another_file_gets_a_file_of_its_own(dump, tmp_p
     result = invoke("compare", a, dump(*CP1), "--json", tmp_path / "m.jsonl")
     assert result.exit_code == 2 and "is not a megalign report" in result.output
     assert manifest.read_bytes() == before
+
+
+def test_whether_a_file_is_a_report_is_read_at_its_ends(tmp_path):
+    """is_report read a user's file line by line to its end: 256 MiB without a newline (a disk image, a core
+    dump) was held in memory whole before it was refused. The first and last lines decide."""
+    from megalign.compare.report import is_report
+
+    tensor, summary = (json.dumps({"record": kind, "name": "h"}) + "\n" for kind in ("tensor", "summary"))
+    for content, expected in ((tensor * 3 + summary, True), (summary, True), (tensor, False), (summary + tensor, False),
+                              (summary * 2, False), ("my notes\n" + summary, False), (tensor + summary[:-3], False)):
+        (tmp_path / "r.jsonl").write_text(content)
+        assert is_report(tmp_path / "r.jsonl") == expected, content
+    big = tmp_path / "big.img"
+    big.write_text(tensor)
+    os.truncate(big, 256 << 20)  # sparse: 256 MiB of NULs after one record, on no disk
+    tracemalloc.start()
+    try:
+        assert not is_report(big)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
 
 
 def test_a_report_path_that_is_not_a_file_is_named(dump):

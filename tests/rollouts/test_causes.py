@@ -67,6 +67,17 @@ def test_a_logprob_above_zero_is_impossible_before_any_other_cause():
     assert "(the largest 0.5 at seq 2 pos 5)" in found[0]
 
 
+@pytest.mark.parametrize("above, impossible", ((1e-6, False), (0.05, True)))
+def test_an_engines_rounding_above_zero_is_not_impossible(above, impossible):
+    """A near-certain token's float32 log_softmax rounds to a hair above 0: called impossible, it hid the
+    real cause (here a constant offset). A logprob of +0.05 is no rounding."""
+    logits, tokens, _, trainer, mask, valid = _case()
+    trainer[2, 5] = above - 0.25
+    found = _named(trainer + 0.25, trainer, mask, tokens, valid, logits)
+    said = "impossible logprobs: 1 of the rollout's 21 above 0" if impossible else "a constant offset: "
+    assert len(found) == 1 and found[0].startswith(said), found
+
+
 def test_noise_has_no_cause():
     logits, tokens, _, trainer, mask, valid = _case()
     noise = torch.randn(trainer.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.3

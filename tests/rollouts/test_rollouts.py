@@ -295,7 +295,8 @@ def test_a_non_finite_logprob_prints_as_inf_never_as_float_max(rollouts, trainer
 
 @pytest.mark.parametrize("planted, cause", (
     ("offset -0.2", "cause: a constant offset: the rollout's logprobs are the trainer's -0.2 on every token"),
-    ("raised 24", "cause: impossible logprobs: 1 of the rollout's 32 above 0, a probability above 1 (the largest "),
+    ("raised 24", "cause: impossible logprobs: 1 of the rollout's 32 above 0 by more than rounding (0.001), a "
+     "probability above 1 (the largest "),
     ("raised 0.5", "cause: none of the known ones"),
 ))
 def test_an_offset_a_positive_logprob_and_one_raised_token_are_told_apart(rollouts, trainer, tmp_path, planted, cause):

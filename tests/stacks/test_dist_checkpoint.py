@@ -8,11 +8,13 @@ truncated .distcp file and a --save onto a user's folder are each one line and e
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,55 @@ def test_every_held_back_unpickling_target_still_exists():
     for target in HELD_BACK:
         module, name = target.split(":")
         assert hasattr(importlib.import_module(module), name), target
+
+
+def small_checkpoint(folder: Path) -> Path:
+    """A real torch DCP index and .distcp file, written in this process (world 1): what check_data_files reads."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # no process group: DCP says it saves as one process, as meant here
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=folder)
+    return folder
+
+
+def edit_index(folder: Path, **fields) -> None:
+    """Every byte range of the checkpoint's .metadata given `fields` (relative_path, offset, length)."""
+    index = pickle.loads((folder / ".metadata").read_bytes())
+    index.storage_meta = None  # torch's own writer pickles its path (a PosixPath) there; megatron-core's, nothing
+    index.storage_data = {key: dataclasses.replace(stored, **fields) for key, stored in index.storage_data.items()}
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+
+
+@pytest.mark.parametrize("fields, said", [
+    ({"relative_path": "../outside.distcp"}, "names '../outside.distcp', not a file of the checkpoint's folder"),
+    ({"relative_path": "OUTSIDE"}, "not a file of the checkpoint's folder"),  # the absolute path, made below
+    ({"relative_path": "inner/__0_0.distcp"}, "names 'inner/__0_0.distcp', not a file of the checkpoint's folder"),
+    ({"relative_path": ".."}, "names '..', not a file of the checkpoint's folder"),
+    ({"relative_path": 7}, "names 7, not a file of the checkpoint's folder"),
+    ({"offset": -1}, "gives '__0_0.distcp' offset -1 length"),
+    ({"offset": "0"}, "gives '__0_0.distcp' offset '0' length"),
+    ({"length": 1.5}, "gives '__0_0.distcp' offset 0 length 1.5, not byte counts"),
+    ({"length": True}, "gives '__0_0.distcp' offset 0 length True, not byte counts"),
+])
+def test_an_index_naming_a_file_outside_load_or_no_byte_count_is_one_line(tmp_path, fields, said):
+    """The index's file names were followed (`..`, an absolute path: files outside --load were read), and its
+    fields of another type gave a traceback. Each is one line before the run."""
+    from megalign.errors import UserError
+    from megalign.stacks.dist_checkpoint import check_data_files
+
+    folder = small_checkpoint(tmp_path / "checkpoint")
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes(b"\0" * (1 << 16))  # a file outside that holds every byte: only its place is wrong
+    if fields.get("relative_path") == "OUTSIDE":
+        fields = {"relative_path": str(outside)}
+    (folder / "inner").mkdir()
+    (folder / "inner" / "__0_0.distcp").write_bytes((folder / "__0_0.distcp").read_bytes())
+    edit_index(folder)
+    check_data_files(folder)  # as written: every byte it names is there
+    edit_index(folder, **fields)
+    with pytest.raises(UserError) as refused:
+        check_data_files(folder)
+    assert str(refused.value).startswith(f"--load {folder}: its .metadata ") and "\n" not in str(refused.value)
+    assert said in str(refused.value), str(refused.value)

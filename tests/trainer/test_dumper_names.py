@@ -102,6 +102,20 @@ def test_a_name_that_reads_as_a_repeat_is_refused(tmp_path):
     assert invoke("compare", tmp_path / "twice", tmp_path / "twice").exit_code == 0
 
 
+def test_a_watched_name_that_reads_as_a_repeat_is_refused_at_watch(tmp_path):
+    """A ModuleDict key `expert@1` names the module's output as a repeat reads: add() refused it from a
+    forward hook, in the middle of the run. watch() refuses it, and a parameter named so (its gradient
+    is added at each step's end), before anything is hooked; the Dumper is aborted, nothing left."""
+    experts = torch.nn.ModuleDict({"expert@1": torch.nn.Linear(2, 2)})
+    scaled = torch.nn.Linear(2, 2)
+    scaled.register_parameter("scale@2", torch.nn.Parameter(torch.ones(2)))
+    for model, outputs, refused in ((experts, True, "module 'expert@1'"), (scaled, False, "parameter 'scale@2'")):
+        dumper = megalign.Dumper(tmp_path / "run")
+        with pytest.raises(ValueError, match=rf"watch\(\): the {refused} ends as megalign names a name's repeats"):
+            dumper.watch(model, outputs=outputs)
+        assert list(tmp_path.iterdir()) == [] and not experts["expert@1"]._forward_hooks
+
+
 class Down(torch.nn.Linear):
     """A linear layer as TP=2 computes it (`parts=2`): each rank's half of the input features
     multiplied, the halves summed; `planted`: the bug, the second half scaled."""
@@ -158,7 +172,9 @@ def test_a_dumper_is_told_the_precision_it_cannot_see(tmp_path):
     # The failing twin: 30% off fails bf16's row too.
     with megalign.Dumper(tmp_path / "off", dtype="bf16") as dumper:
         dumper.add("activation", "h", h * 1.3)
-    assert invoke("compare", tmp_path / "a", tmp_path / "off").exit_code == 1
+    result = invoke("compare", tmp_path / "a", tmp_path / "off")
+    assert result.exit_code == 1, result.output
+    assert "first divergence: activation h\n" in result.output  # where the planted error is
     with pytest.raises(ValueError, match="dtype: one of fp16, bf16, fp32, fp64 or a torch float dtype, got 'int8'"):
         megalign.Dumper(tmp_path / "refused", dtype="int8")
     assert not (tmp_path / "refused").exists() and not (tmp_path / "refused.partial").exists()

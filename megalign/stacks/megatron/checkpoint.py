@@ -99,7 +99,8 @@ def _vocab_padding(have: tuple, want: tuple, vocab_size: int) -> bool:
 
 @contextlib.contextmanager
 def _held_back(folder: Path) -> Iterator[None]:
-    """While megatron-core reads `folder`: the index through _IndexUnpickler, no common state, torch.load weights_only."""
+    """While megatron-core reads `folder`: the index through dist_checkpoint.load_index (its unpickler builds only
+    DCP's metadata classes), no common state, torch.load weights_only."""
     owners = [(importlib.import_module(target.split(":")[0]), target.split(":")[1]) for target in HELD_BACK]
     saved = [getattr(owner, name) for owner, name in owners]  # an AttributeError names a target that moved
     replacements = [types.SimpleNamespace(load=functools.partial(load_index, folder), dump=pickle.dump),
