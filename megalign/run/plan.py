@@ -11,7 +11,7 @@ from megalign.dump.landing import check_apart, check_out
 from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
-from megalign.spec import Layout, ModelConfig, RunSpec
+from megalign.spec import Layout, ModelConfig, RunSpec, check_layout
 from megalign.stacks.dist_checkpoint import check_data_files, checkpoint_folder, checkpoint_model
 
 
@@ -120,7 +120,7 @@ def plan_run(config: RunConfig, rollout: Optional[tuple[list[list[int]], list[li
         seq_len = -(-seq_len // layout.packing_multiple) * layout.packing_multiple
     if batch.packed:
         seq_len = _packed_seq_len(tokens, batch.seq_len, layout)
-    layout.check(model, seq_len, len(tokens))
+    check_layout(layout, model, seq_len, len(tokens))
     check_distributed_optimizer(config)
     if output.filter:
         compile_pattern("--filter", output.filter)
