@@ -43,9 +43,11 @@ def run_command(mode: Mode):
 def parse_run(mode: Mode, args: list[str]) -> RunConfig:
     """`args` read as `megalign MODE ARGS` reads them, every default filled in; click's usage errors raise
     (typer.exceptions.TyperException)."""
-    from megalign.cli.app import app  # app imports this module
-
-    context = typer.main.get_command(app).commands[mode].make_context(mode, list(args))
+    # The command alone, as a one-command Typer makes it: the same options as `megalign MODE`'s, and
+    # cli/app.py (which imports this module) is not needed to read them.
+    alone = typer.Typer()
+    alone.command(mode)(run_command(mode))
+    context = typer.main.get_command(alone).make_context(mode, list(args))
     return RunConfig.from_options(mode, context.params)
 
 
