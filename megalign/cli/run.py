@@ -62,7 +62,7 @@ def _run(config: RunConfig) -> None:
     stack, overwrite = config.source.stack, config.output.overwrite
     replay_dir = None
     try:
-        spec = plan_run(config, rollout_sequences(config))
+        spec = plan_run(config)
         replay_dir = _routing_replay(spec, stack, config.parallel.routing)
         spec = replace(spec, routing_replay=str(replay_dir / REPLAY_FILE)) if replay_dir else spec
         with signals_as_interrupts():
@@ -90,16 +90,6 @@ def _run(config: RunConfig) -> None:
 
 
 REPLAY_FILE = "routing.safetensors"
-
-
-def rollout_sequences(config: RunConfig) -> Optional[tuple[list[list[int]], list[list[int]]]]:
-    """--rollout's tokens (prompt + response) and label mask (the response) per sequence."""
-    if config.batch.rollout is None:
-        return None
-    from megalign.compare.sources.rollout import read_rollout
-
-    rollout = read_rollout(config.batch.rollout, config.source.hf)
-    return rollout.tokens(), rollout.label_masks()
 
 
 def _routing_replay(spec, stack: str, routing: str) -> Optional[Path]:
