@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+from megalign.rollouts import formats as rollout_formats
+
 Mode = Literal["forward", "backward"]
 Stack = Literal["megatron", "hf"]
 PackedSplit = Literal["document", "row"]
@@ -83,11 +85,9 @@ class Batch:
                                     help="Token ids, one list per sequence: [[1, 2, ...], ...]. Default: 2 built-in "
                                          "sequences of 32 and 20 tokens.")
     rollout: Optional[Path] = option(None, "--rollout", metavar="FILE",
-                                     help="An inference engine's rollout (SGLang /generate, vLLM, OpenAI-compatible "
-                                          "completions or chat with logprobs, or JSONL prompt_ids/response_ids/"
-                                          "response_logprobs): run on its prompt + response tokens, the loss mask on "
-                                          "the response; `megalign compare FILE DUMP` then compares the logprobs. "
-                                          "Replaces --tokens. Default: none.")
+                                     help=f"An inference engine's rollout ({rollout_formats.described()}): run on its "
+                                          "prompt + response tokens, the loss mask on the response; `megalign compare "
+                                          "FILE DUMP` then compares the logprobs. Replaces --tokens. Default: none.")
     seq_len: Optional[int] = option(None, "--seq-len", metavar="N",
                                     help="Pad every sequence to N tokens (a multiple of 2*cp); with --packed, the "
                                          "length of each packed row. Default: the longest sequence (packed: the "

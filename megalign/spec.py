@@ -178,6 +178,53 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+# A run's layout against its model and batch: here, beside the model, so that dump/layout.py (which
+# readers use without any model) knows nothing of ModelConfig.
+def check_layout(layout: Layout, model: ModelConfig, seq_len: int, sequences: int) -> None:
+    """Raise UserError for a layout the model or the batch cannot be split into."""
+    layout.check_sizes()
+    if layout.sp and layout.tp == 1:
+        raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
+    _check_experts(layout, model)
+    layout.check_sequences(sequences)
+    if model.num_attention_heads % layout.tp or model.num_query_groups % layout.tp:
+        raise UserError(f"--tp {layout.tp} does not divide num_attention_heads={model.num_attention_heads} "
+                        f"and num_query_groups={model.num_query_groups}")
+    if model.ffn_hidden_size % layout.tp:
+        raise UserError(f"--tp {layout.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
+    if model.num_layers % layout.pp:
+        raise UserError(f"--pp {layout.pp} does not divide num_layers={model.num_layers}")
+    _check_seq_len(layout, model, seq_len)
+
+
+def _check_experts(layout: Layout, model: ModelConfig) -> None:
+    if model.is_moe and layout.tp > 1 and not layout.sp:
+        raise UserError("an MoE model with --tp > 1 needs --sp (megatron-core refuses MoE with tensor "
+                        "parallelism and without sequence parallelism in training)")
+    if (layout.ep, layout.expert_tp) == (1, layout.tp):
+        return
+    if not model.is_moe:
+        raise UserError(f"--ep/--etp split experts, and the model {model.name!r} has none (set num_moe_experts)")
+    if model.num_moe_experts % layout.ep:
+        raise UserError(f"--ep {layout.ep} does not divide num_moe_experts={model.num_moe_experts}")
+    if layout.expert_tp not in (1, layout.tp):
+        raise UserError(f"--etp {layout.expert_tp}: megalign runs expert tensor parallelism of 1 or --tp ({layout.tp})")
+    if (layout.tp * layout.cp * layout.dp) % (layout.ep * layout.expert_tp):
+        raise UserError(f"--ep {layout.ep} x --etp {layout.expert_tp} ranks must divide tp*cp*dp="
+                        f"{layout.tp * layout.cp * layout.dp} (experts are split over those ranks); "
+                        f"pass --dp {layout.expert_dp()}")
+
+
+def _check_seq_len(layout: Layout, model: ModelConfig, seq_len: int) -> None:
+    if layout.cp > 1 and seq_len % (2 * layout.cp):
+        raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * layout.cp} "
+                        f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * layout.cp}")
+    if layout.sp and seq_len % (layout.cp * layout.tp):
+        raise UserError(f"sequence length {seq_len} is not divisible by cp*tp={layout.cp * layout.tp} (sequence "
+                        f"parallelism splits each CP rank's tokens over the TP ranks); pass --seq-len")
+    if seq_len > model.max_position_embeddings:
+        raise UserError(f"sequence length {seq_len} exceeds max_position_embeddings="
+                        f"{model.max_position_embeddings}")
 
 
 @dataclass(frozen=True)

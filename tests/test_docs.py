@@ -239,3 +239,63 @@ def test_relative_link_resolves(path, number, target):
     assert resolved.exists(), f"{path.relative_to(ROOT)}:{number}: {target} names no file"
     if anchor:
         assert anchor in anchors(resolved), f"{path.relative_to(ROOT)}:{number}: {target}: no such heading"
+
+
+# docs/development.md's map of the package: its first `text` block, one entry a line ("name.py" or
+# "folder/", then two spaces and what it holds), each folder's entries indented two spaces under it; a
+# line indented to the descriptions' column continues the entry above.
+DEVELOPMENT = ROOT / "docs" / "development.md"
+MAP_ENTRY = re.compile(r"^( *)([\w.]+(?:/|\.py))(?: {2,}\S.*)?$")
+DESCRIPTIONS = 28  # the column the descriptions start at
+
+
+def package_modules() -> set[str]:
+    """Every module and package folder of megalign, as the map names them (a package's __init__.py is
+    its folder's entry)."""
+    package = ROOT / "megalign"
+    return {str(path.relative_to(ROOT)) + "/" for path in [package, *package.rglob("*")]
+            if (path / "__init__.py").is_file()} | \
+        {str(path.relative_to(ROOT)) for path in package.rglob("*.py") if path.name != "__init__.py"}
+
+
+def mapped_modules(text: str) -> tuple[set[str], list[str]]:
+    """The paths the map names, and each line of it that is not an entry."""
+    block = text.split("```text\n", 1)[1].split("```", 1)[0]
+    named, unreadable, folders = set(), [], []
+    for line in block.splitlines():
+        entry = MAP_ENTRY.match(line)
+        indent = len(line) - len(line.lstrip())
+        if line.strip() and indent >= DESCRIPTIONS:
+            continue
+        if entry is None or indent % 2 or indent // 2 > len(folders):
+            unreadable.append(line)
+            continue
+        del folders[indent // 2:]
+        path = "".join(folders) + entry.group(2)
+        named.add(path)
+        if path.endswith("/"):
+            folders.append(entry.group(2))
+    return named, unreadable
+
+
+def map_problems(text: str) -> list[str]:
+    named, unreadable = mapped_modules(text)
+    modules = package_modules()
+    return [f"not in the map: {path}" for path in sorted(modules - named)] + \
+        [f"in the map, not in the package: {path}" for path in sorted(named - modules)] + \
+        [f"not an entry of the map: {line!r}" for line in unreadable]
+
+
+def test_the_development_map_names_every_module():
+    assert map_problems(DEVELOPMENT.read_text()) == []
+
+
+def test_a_module_missing_from_the_map_is_caught():
+    """The failing twin: the map without stacks/meta.py's line, and with a line for a module that is gone."""
+    text = DEVELOPMENT.read_text()
+    line = next(line for line in text.splitlines() if line.startswith("    meta.py") and "RunSpec" in line)
+    planted = text.replace(line + "\n", "").replace("    shard.py", "    gone.py     a module since removed\n"
+                                                                       "    shard.py")
+    assert map_problems(planted) == ["not in the map: megalign/stacks/meta.py",
+                                     "in the map, not in the package: megalign/stacks/gone.py"]
+

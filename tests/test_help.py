@@ -7,6 +7,7 @@ import typer
 from conftest import invoke
 
 from megalign.cli.app import app
+from megalign.rollouts.formats import FORMATS
 
 COMMANDS = ("forward", "backward", "compare", "check")
 
@@ -37,3 +38,11 @@ def test_every_option_says_its_default_and_what_it_does(command):
 def test_overwrite_says_what_it_deletes():
     help_text = " ".join(invoke("forward", "--help").output.split())  # as one line: help text wraps
     assert "megalign dump" in help_text and "never deleted" in help_text
+
+
+def test_rollout_names_every_format_megalign_reads():
+    """--rollout's help lists the formats from their one registry (it once left slime out): every name
+    rollouts/formats.py gives is in it, as `megalign forward` declares it."""
+    params = typer.main.get_command(app).commands["forward"].params
+    rollout = next(param for param in params if param.name == "rollout")
+    assert [f.name for f in FORMATS if f.name not in rollout.help] == []

@@ -43,9 +43,11 @@ def run_command(mode: Mode):
 def parse_run(mode: Mode, args: list[str]) -> RunConfig:
     """`args` read as `megalign MODE ARGS` reads them, every default filled in; click's usage errors raise
     (typer.exceptions.TyperException)."""
-    from megalign.cli.app import app  # app imports this module
-
-    context = typer.main.get_command(app).commands[mode].make_context(mode, list(args))
+    # The command alone, as a one-command Typer makes it: the same options as `megalign MODE`'s, and
+    # cli/app.py (which imports this module) is not needed to read them.
+    alone = typer.Typer()
+    alone.command(mode)(run_command(mode))
+    context = typer.main.get_command(alone).make_context(mode, list(args))
     return RunConfig.from_options(mode, context.params)
 
 
@@ -60,7 +62,7 @@ def _run(config: RunConfig) -> None:
     stack, overwrite = config.source.stack, config.output.overwrite
     replay_dir = None
     try:
-        spec = plan_run(config, rollout_sequences(config))
+        spec = plan_run(config)
         replay_dir = _routing_replay(spec, stack, config.parallel.routing)
         spec = replace(spec, routing_replay=str(replay_dir / REPLAY_FILE)) if replay_dir else spec
         with signals_as_interrupts():
@@ -88,16 +90,6 @@ def _run(config: RunConfig) -> None:
 
 
 REPLAY_FILE = "routing.safetensors"
-
-
-def rollout_sequences(config: RunConfig) -> Optional[tuple[list[list[int]], list[list[int]]]]:
-    """--rollout's tokens (prompt + response) and label mask (the response) per sequence."""
-    if config.batch.rollout is None:
-        return None
-    from megalign.compare.sources.rollout import read_rollout
-
-    rollout = read_rollout(config.batch.rollout, config.source.hf)
-    return rollout.tokens(), rollout.label_masks()
 
 
 def _routing_replay(spec, stack: str, routing: str) -> Optional[Path]:

@@ -21,8 +21,9 @@ import torch
 from megalign.compare.entries import Entry, Source, Value
 from megalign.compare.lineup import real_tokens
 from megalign.compare.sources import open_source
-from megalign.compare.sources.rollout import Rollout, is_rollout_file, read_rollout
 from megalign.errors import UserError
+from megalign.rollouts.read import is_rollout_file, read_rollout
+from megalign.rollouts.sample import Rollout
 
 
 @dataclass
@@ -112,6 +113,25 @@ def open_pair(a: Path, b: Path) -> Optional[RolloutPair]:
     hf = dump.dump.meta.get("hf_checkpoint") if dump.dump is not None else None
     rollout = read_rollout(rollout_path, Path(hf) if hf else None)
     check_rows(dump, rollout)
-    tokens, logprobs, compared, loss_mask = rollout.grid()
+    tokens, logprobs, compared, loss_mask = rollout_grid(rollout)
     return RolloutPair(rollout=rollout, dump=dump, rollout_first=rollout_path == a, tokens=tokens, logprobs=logprobs,
                        compared=compared, loss_mask=loss_mask)
+
+
+def rollout_grid(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rollout as compare lines it up with a dump: [sequence, position] tensors, right-padded:
+    tokens, logprobs (float64), the positions compared (the file has a logprob), and the response
+    positions that count (the loss mask)."""
+    width = max(len(s.tokens) for s in rollout.samples)
+    tokens = torch.zeros(len(rollout.samples), width, dtype=torch.long)
+    logprobs = torch.zeros(len(rollout.samples), width, dtype=torch.float64)
+    compared = torch.zeros(len(rollout.samples), width)
+    loss_mask = torch.zeros(len(rollout.samples), width)
+    for i, sample in enumerate(rollout.samples):
+        values, keep = sample.at_positions()
+        n = len(sample.tokens)
+        tokens[i, :n] = torch.tensor(sample.tokens)
+        logprobs[i, :n] = torch.tensor(values, dtype=torch.float64)
+        compared[i, :n] = torch.tensor(keep, dtype=torch.float32)
+        loss_mask[i, :n] = torch.tensor(sample.label_mask(), dtype=torch.float32)
+    return tokens, logprobs, compared, loss_mask

@@ -1,8 +1,9 @@
-"""The device statistics' Triton kernel (stats.SummaryBatch, once `fused`): a tensor's rows of ROW
-elements reduced where the tensor lies, in its own dtype, one program a row, into rows of a
-[rows, 7] float32 table. Staged first into a float32 buffer instead, each tensor was read, written
-and read again (three passes over every activation) and cost the step's thread three launches (a
-slice, a copy, a fill) where this costs one.
+"""The device statistics' Triton kernel (stats.SummaryBatch, once `fused`): a tensor's rows of `row`
+elements reduced where the tensor lies, in its own dtype, one program a row, into rows of a [rows, 7]
+float32 table. The width is stats.ROW, passed in by stats (the rule is stats', and this module, which
+stats loads, imports nothing of megalign). Staged first into a float32 buffer instead, each tensor
+was read, written and read again (three passes over every activation) and cost the step's thread
+three launches (a slice, a copy, a fill) where this costs one.
 
 A module of its own so that Triton is imported only where a device's statistics are taken (it ships
 with torch's CUDA builds; where it is absent, importing this module raises ImportError and the
@@ -16,8 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from megalign.dump.stats import ROW  # the staged rows' width: both ways give the same rows
 
 
 @triton.jit
@@ -52,11 +51,11 @@ def _row_stats(x, numel, table, first, ROW: tl.constexpr):  # pragma: no cover -
     tl.store(out + 6, count)
 
 
-def reduce_rows(x: torch.Tensor, table: torch.Tensor, first: int) -> None:
-    """The rows of flat `x` (ceil(numel / ROW) of them) reduced into table[first:], each row: the
+def reduce_rows(x: torch.Tensor, table: torch.Tensor, first: int, row: int) -> None:
+    """The rows of `row` elements of flat `x` (ceil(numel / row) of them) reduced into table[first:], each row: the
     sum, sum of squares and sum of absolute values of its finite values, their min and max (+inf and
     -inf where none), its NaN count, the elements past x's end counted as NaN as the staged rows'
     padding is, and its finite count."""
-    rows = -(-x.numel() // ROW)
+    rows = -(-x.numel() // row)
     if rows:
-        _row_stats[(rows,)](x, x.numel(), table, first, ROW=ROW, num_warps=8)
+        _row_stats[(rows,)](x, x.numel(), table, first, ROW=row, num_warps=8)

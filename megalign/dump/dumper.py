@@ -466,8 +466,8 @@ class Dumper:
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
-        rename the staging folder to `out`. `meta` makes dump.json's contents (a run's: meta.run_meta);
-        None: a Python writer's, made from what was written. In a forked child: RuntimeError."""
+        rename the staging folder to `out`. `meta` makes dump.json's contents (a run's: stacks/meta.py's
+        run_meta); None: a Python writer's, made from what was written. In a forked child: RuntimeError."""
         self._check_process("close")
         if self._closed:
             return

@@ -1,9 +1,10 @@
 """The layout's rules that the writing side (workers, stacks) and the reading side (reader, validate,
 compare) both need, each stated once.
 
-- Layout: how the world is split (tp, pp, cp, dp, sp, ep, etp), checked against a model and batch,
-  and how it prints (`Layout.describe`). A run's spec holds one (spec.RunSpec.layout, re-exported
-  there); a dump's reader builds one from dump.json (validate.check_layout).
+- Layout: how the world is split (tp, pp, cp, dp, sp, ep, etp), its sizes and its share of the rows
+  checked, and how it prints (`Layout.describe`). A run's spec holds one (spec.RunSpec.layout,
+  re-exported there, which checks it against the run's model: spec.check_layout); a dump's reader
+  builds one from dump.json (validate.check_layout).
 - Rows: a batch row is a padded sequence or a packed (THD) row of documents (`BatchRow`).
 - DP: each DP rank takes a contiguous, equal share of the rows (`dp_rows`).
 - CP split: each CP rank holds two zigzag chunks (of 2*cp) of every piece the row is cut into: of
@@ -15,14 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from megalign.errors import UserError
-
-if TYPE_CHECKING:
-    from megalign.spec import ModelConfig
 
 # How a packed row was split over CP ranks (dump.json's cp_split): "document", every document
 # zigzagged on its own (TE's THD split); "row", the row zigzagged as one sequence (the classic bug).
@@ -72,54 +70,12 @@ class Layout:
             if size < 1:
                 raise UserError(f"--{name} must be at least 1, got {size}")
 
-    def _check_experts(self, model: ModelConfig) -> None:
-        if model.is_moe and self.tp > 1 and not self.sp:
-            raise UserError("an MoE model with --tp > 1 needs --sp (megatron-core refuses MoE with tensor "
-                            "parallelism and without sequence parallelism in training)")
-        if (self.ep, self.expert_tp) == (1, self.tp):
-            return
-        if not model.is_moe:
-            raise UserError(f"--ep/--etp split experts, and the model {model.name!r} has none (set num_moe_experts)")
-        if model.num_moe_experts % self.ep:
-            raise UserError(f"--ep {self.ep} does not divide num_moe_experts={model.num_moe_experts}")
-        if self.expert_tp not in (1, self.tp):
-            raise UserError(f"--etp {self.expert_tp}: megalign runs expert tensor parallelism of 1 or --tp ({self.tp})")
-        if (self.tp * self.cp * self.dp) % (self.ep * self.expert_tp):
-            raise UserError(f"--ep {self.ep} x --etp {self.expert_tp} ranks must divide tp*cp*dp="
-                            f"{self.tp * self.cp * self.dp} (experts are split over those ranks); "
-                            f"pass --dp {self.expert_dp()}")
-
     def check_sequences(self, sequences: int) -> None:
         if self.dp < 1:
             raise UserError(f"--dp must be at least 1, got {self.dp}")
         if sequences % self.dp:
             raise UserError(f"--dp {self.dp} does not divide the {sequences} sequences (each DP rank takes an equal "
                             "share of them)")
-
-    def check(self, model: ModelConfig, seq_len: int, sequences: int) -> None:
-        """Raise UserError for a layout the model or the batch cannot be split into."""
-        self.check_sizes()
-        if self.sp and self.tp == 1:
-            raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
-        self._check_experts(model)
-        self.check_sequences(sequences)
-        if model.num_attention_heads % self.tp or model.num_query_groups % self.tp:
-            raise UserError(f"--tp {self.tp} does not divide num_attention_heads={model.num_attention_heads} "
-                            f"and num_query_groups={model.num_query_groups}")
-        if model.ffn_hidden_size % self.tp:
-            raise UserError(f"--tp {self.tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
-        if model.num_layers % self.pp:
-            raise UserError(f"--pp {self.pp} does not divide num_layers={model.num_layers}")
-        if self.cp > 1 and seq_len % (2 * self.cp):
-            raise UserError(f"sequence length {seq_len} is not divisible by 2*cp={2 * self.cp} "
-                            f"(CP's load-balanced layout); pass --seq-len with a multiple of {2 * self.cp}")
-        if self.sp and seq_len % (self.cp * self.tp):
-            raise UserError(f"sequence length {seq_len} is not divisible by cp*tp={self.cp * self.tp} (sequence "
-                            f"parallelism splits each CP rank's tokens over the TP ranks); pass --seq-len")
-        if seq_len > model.max_position_embeddings:
-            raise UserError(f"sequence length {seq_len} exceeds max_position_embeddings="
-                            f"{model.max_position_embeddings}")
-
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ class SummaryBatch:
         if self._table is None:
             self._table = torch.empty(max(self.rows, rows), 7, dtype=torch.float32, device=x.device)
         try:
-            reduce(x, self._table, self._filled)
+            reduce(x, self._table, self._filled, ROW)  # the staged rows' width: both ways give the same rows
         except Exception as error:  # a Triton that cannot compile here: the same values, staged
             _give_up(error)
             return False

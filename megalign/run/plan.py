@@ -10,8 +10,8 @@ from typing import Optional
 from megalign.dump.landing import check_apart, check_out
 from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
-from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len
-from megalign.spec import Layout, ModelConfig, RunSpec
+from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len, rollout_sequences
+from megalign.spec import Layout, ModelConfig, RunSpec, check_layout
 from megalign.stacks.dist_checkpoint import check_data_files, checkpoint_folder, checkpoint_model
 
 
@@ -94,20 +94,20 @@ def check_stack(config: RunConfig) -> None:
                         "up with a padded one)")
 
 
-def plan_run(config: RunConfig, rollout: Optional[tuple[list[list[int]], list[list[int]]]] = None) -> RunSpec:
-    """The RunSpec of `config`, its defaults resolved (--out, --dp, --seq-len, --device, the model, the tokens).
-    `rollout`: --rollout's (tokens, label mask) per sequence, read by the caller (compare/ reads rollout files)."""
+def plan_run(config: RunConfig) -> RunSpec:
+    """The RunSpec of `config`, its defaults resolved (--out, --dp, --seq-len, --device, the model, the tokens)."""
+    batch = config.batch
+    # --rollout's file is read first: its errors are the first a run with one reports
+    rollout = rollout_sequences(batch.rollout, config.source.hf) if batch.rollout else None
     if config.launch.launcher == "none" and config.output.overwrite:
         raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
                         "the folder); remove --out first")
     check_stack(config)
     check_checkpoints(config)
     model = resolve_model(config)
-    batch, p, numerics, output = config.batch, config.parallel, config.numerics, config.output
+    p, numerics, output = config.parallel, config.numerics, config.output
     if batch.rollout and batch.tokens:
         raise UserError("--rollout and --tokens cannot be combined: the rollout's prompts and responses are the tokens")
-    if bool(batch.rollout) != (rollout is not None):
-        raise ValueError("--rollout's tokens are read by the caller and passed as `rollout`")
     tokens, label_mask = rollout if rollout else \
         (load_tokens(batch.tokens) if batch.tokens else default_tokens(model.vocab_size), None)
     check_tokens(tokens, model.vocab_size)
@@ -120,7 +120,7 @@ def plan_run(config: RunConfig, rollout: Optional[tuple[list[list[int]], list[li
         seq_len = -(-seq_len // layout.packing_multiple) * layout.packing_multiple
     if batch.packed:
         seq_len = _packed_seq_len(tokens, batch.seq_len, layout)
-    layout.check(model, seq_len, len(tokens))
+    check_layout(layout, model, seq_len, len(tokens))
     check_distributed_optimizer(config)
     if output.filter:
         compile_pattern("--filter", output.filter)

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from megalign.errors import UserError, read_user_text
+from megalign.rollouts.read import read_rollout
 
 # Two sequences of different lengths, so that padding and uneven CP token counts are exercised.
 DEFAULT_LENGTHS = (32, 20)
@@ -18,6 +19,13 @@ DEFAULT_LENGTHS = (32, 20)
 def default_tokens(vocab_size: int, lengths=DEFAULT_LENGTHS, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def rollout_sequences(path: Path, hf: Optional[Path]) -> tuple[list[list[int]], list[list[int]]]:
+    """--rollout's tokens (prompt + response) and label mask (the response) per sequence; `hf`: the
+    checkpoint whose tokenizer maps a chat completion's string tokens to ids."""
+    rollout = read_rollout(path, hf)
+    return rollout.tokens(), rollout.label_masks()
 
 
 def load_tokens(path: Path) -> list[list[int]]:

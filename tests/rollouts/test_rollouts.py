@@ -20,8 +20,9 @@ from conftest import error_line, invoke
 from real_checkpoint import build
 from rollout_engine import TEMPERATURE, generate, jsonl, write_all
 
-from megalign.cli.run import parse_run, rollout_sequences
-from megalign.compare.sources.rollout import read_rollout
+from megalign.cli.run import parse_run
+from megalign.rollouts.formats import FORMATS as ROLLOUT_FORMATS
+from megalign.rollouts.read import read_rollout
 from megalign.run.plan import plan_run
 
 FORMATS = ("sglang.json", "vllm.json", "completions-echo.json", "completions-ids.json", "chat.jsonl",
@@ -65,7 +66,7 @@ def rollout_tokens(path):
 def planned(checkpoint, path, tmp_path):
     config = parse_run("forward", ["--hf", str(checkpoint), "--rollout", str(path), "--cp", "2",
                                    "--out", str(tmp_path / "unused")])
-    return plan_run(config, rollout_sequences(config))
+    return plan_run(config)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -138,6 +139,7 @@ def test_unknown_file_is_one_line(rollouts, trainer, tmp_path):
         assert result.exit_code == 2, result.output
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and "not a rollout file" in lines[0] and "input, output, score, step" in lines[0]
+        assert [f.name for f in ROLLOUT_FORMATS if f.name not in lines[0]] == []  # slime's too, once left out
     assert not (tmp_path / "o").exists()
 
 

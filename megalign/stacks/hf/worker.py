@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from megalign.dump.coverage import check_coverage, have_gradients
 from megalign.dump.dumper import Dumper
 from megalign.dump.format import layer_of
-from megalign.dump.meta import package_version, run_meta
+from megalign.dump.meta import package_version
 from megalign.dump.sharding import Sharding
 from megalign.errors import UserError
 from megalign.spec import RunSpec
@@ -29,6 +29,7 @@ from megalign.stacks.events import emit, failures_reported
 from megalign.stacks.hf.checkpoint import HFCheckpoint, open_checkpoint
 from megalign.stacks.hf.families import SAME, Rule
 from megalign.stacks.hf.namemap import NameMap
+from megalign.stacks.meta import run_meta
 from megalign.stacks.precision import precision
 
 # transformers 5's MoE block, in memory in every family: `mlp.gate` (the router) and `mlp.experts`.

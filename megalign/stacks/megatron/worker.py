@@ -41,7 +41,6 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megalign.dump.dumper import Dumper
     from megalign.dump.layout import cp_split_bounds, dp_rows
     from megalign.dump.megatron_outputs import LocalShape
-    from megalign.dump.meta import run_meta
     from megalign.dump.sharding import Sharding
     from megalign.stacks.batch import batch_rows, build_batch
     from megalign.stacks.megatron.capture import ActivationCapture
@@ -49,6 +48,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megalign.stacks.megatron.loss import token_loss
     from megalign.stacks.megatron.model import build_model, load_weights, transformer_config
     from megalign.stacks.megatron.packing import packed_seq_params, split_packed_over_cp
+    from megalign.stacks.meta import run_meta
     from megalign.stacks.precision import precision
     from megalign.stacks.seeded import seeded_weights
 

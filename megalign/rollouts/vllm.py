@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megalign.compare.sources.rollout import Sample, ids, logprob, same_length
+from megalign.rollouts.sample import Sample, ids, logprob, same_length
 from megalign.errors import UserError
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megalign.compare.sources.rollout import Sample, ids, logprob
+from megalign.rollouts.sample import Sample, ids, logprob
 from megalign.errors import UserError
 
 

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.compare.sources import rollout_vllm
-from megalign.compare.sources.rollout import Sample, ids, logprob, same_length
+from megalign.rollouts import vllm
+from megalign.rollouts.sample import Sample, ids, logprob, same_length
 from megalign.errors import UserError
 
 TOKEN_ID = re.compile(r"token_id:(\d+)")
@@ -73,7 +73,7 @@ def read_completion(item: dict, where: str, hf: Optional[Path] = None) -> list[S
         else:
             prompt_logprobs = None
             if choice.get("prompt_logprobs") is not None:
-                prompt_logprobs = [None] + rollout_vllm.per_token(choice["prompt_logprobs"], prompt,
+                prompt_logprobs = [None] + vllm.per_token(choice["prompt_logprobs"], prompt,
                                                                   f"{at}.prompt_logprobs")[1:]
         samples.append(Sample(prompt=prompt, response=everything, response_logprobs=_numbers(values, at),
                               prompt_logprobs=prompt_logprobs))
