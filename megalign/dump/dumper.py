@@ -31,7 +31,6 @@ import contextlib
 import inspect
 import operator
 import os
-import sys
 import time
 import warnings
 import weakref
@@ -41,8 +40,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megalign.dump.coverage import have_gradients, read_grad
-from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
+from megalign.dump.coverage import collective_device, read_grad
+from megalign.dump.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
+                                     megatron_state, sharded)
 from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
@@ -442,12 +442,15 @@ class Dumper:
             if sharded(ddp):  # a collective: every rank gathers every bucket, watched or not
                 grads.update((names[id(p)], g) for p, g in gathered_grads(ddp) if id(p) in names)
         grads = {name: grads[name] if name in grads else read_grad(param) for name, param in self._watched.items()}
-        # An all-zero gradient is a missing one (have_gradients). A DTensor's test would be a
+        # An all-zero gradient is a missing one, unless another rank of megatron's TP group holds a
+        # nonzero piece of it (held_gradients: the worker's rule). A DTensor's test would be a
         # collective, and a piece may be zero on one rank only: never tested. Stats-only, each one's
-        # statistics say so at close: a read-back now would stall a device's queue every step.
+        # statistics say so at close (a read-back now would stall a device's queue every step), but
+        # not under megatron's TP: the TP ranks decide together, now.
         tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
-        later = self._writer.stats_only
-        present = {} if later else dict(zip(tested, have_gradients([grads[name] for name in tested])))
+        later = self._writer.stats_only and self.layout.tp == 1
+        held = [] if later else held_gradients([grads[name] if name in tested else None for name in grads])
+        present = {name: holds for name, holds in zip(grads, held) if name in tested}
         for name, param in self._watched.items():
             module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
             if grads[name] is not None and present.get(name, True):
@@ -614,8 +617,7 @@ _MESSAGE_BYTES = 1024
 
 def _rank_zero_says(message: Optional[str]) -> Optional[str]:
     """Rank 0's `message` (None: nothing to say) on every rank, cut to _MESSAGE_BYTES - 2 bytes."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=collective_device())
     if dist.get_rank() == 0 and message is not None:
         text = message.encode()[:_MESSAGE_BYTES - 2]
         buffer[0] = 1
@@ -750,8 +752,8 @@ def _place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None
             raise ValueError("dp_group is a process group of torch.distributed, which is not initialised")
         return RankCoords(rank=0), Layout(), None
     rank, world = dist.get_rank(), dist.get_world_size()
-    state = sys.modules.get("megatron.core.parallel_state")  # only where the program uses megatron-core
-    if state is not None and state.model_parallel_is_initialized():
+    state = megatron_state()
+    if state is not None:
         if dp_group is not None:
             raise ValueError("dp_group: megatron-core's parallel_state already places every rank")
         coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),

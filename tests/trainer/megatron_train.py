@@ -10,10 +10,12 @@ loss), with nothing declared but the logits' sharding. `--tp 2 --sp`: tensor and
 parallelism. `--clip MAX`: the script's own gradient clipping by the global norm, in place of the
 optimizer's (with plain DDP: the clip reads every main_grad whole). `--packed`: four documents of
 uneven lengths, this DP rank's share packed into one row (THD, PackedSeqParams), split over CP ranks
-document by document. Planted bugs: `--bug local-tokens`, the classic CP bug (each rank's loss divided
-by its own token count); `--bug local-clip`, the clip's norm computed on the rank's own shard only;
-`--bug row-split` (with --packed), the row split over CP ranks as one sequence while the attention is
-told the documents.
+document by document. `--half-vocab`: token ids from the lower half of the vocabulary only (at TP=2,
+no token reaches TP rank 1's rows of the embedding: their gradient is all zero). Planted bugs:
+`--bug local-tokens`, the classic CP bug (each rank's loss divided by its own token count);
+`--bug local-clip`, the clip's norm computed on the rank's own shard only; `--bug row-split` (with
+--packed), the row split over CP ranks as one sequence while the attention is told the documents;
+`--bug zero-embedding-grad`, TP rank 0's shard of the embedding's gradient zeroed after the reduction.
 """
 
 import argparse
@@ -46,7 +48,8 @@ parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--clip", type=float)
 parser.add_argument("--packed", action="store_true")
-parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split"])
+parser.add_argument("--half-vocab", action="store_true")
+parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split", "zero-embedding-grad"])
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -79,7 +82,7 @@ dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_
 def batch(step):
     """The whole batch of the step, this DP rank's rows, then this CP rank's zigzag share of them."""
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB // 2 if args.half_vocab else VOCAB, (BATCH, SEQ + 1), generator=g)
     loss_mask = torch.ones(BATCH, SEQ)
     loss_mask[1, 3:] = 0  # uneven: the second row's loss is on 3 tokens only
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
@@ -152,6 +155,8 @@ for step in range(3):
         loss = summed / count  # DDP sums the gradients over DP x CP (calculate_per_token_loss: no averaging)
         loss.backward()
         finalize_model_grads([ddp])
+        if args.bug == "zero-embedding-grad" and parallel_state.get_tensor_model_parallel_rank() == 0:
+            model.embedding.word_embeddings.weight.main_grad.zero_()
         reported = loss.detach()
         dist.all_reduce(reported, group=dp_cp)
         dumper.add("loss", "loss", reported)

@@ -4,6 +4,7 @@ distributed optimizer, Adam, its own loss, three steps) dumped with `megalign.Du
 sequence parallelism with TP=1, at every dumped step, activations included, with nothing declared;
 the classic CP bug (each rank's loss divided by its own token count) is caught at its first tensor,
 and a gradient clip whose norm is computed on the rank's own TP shard at the next step's parameters.
+Tokens from half the vocabulary at TP=2 (a vocabulary shard no token reaches) agree with one process.
 """
 
 from __future__ import annotations
@@ -132,3 +133,33 @@ def test_a_packed_row_split_as_one_sequence_is_caught_at_the_embeddings(packed_d
     result = invoke("compare", packed_dumps["cp1"], packed_dumps["cp2_row_split"])
     assert result.exit_code == 1, result.output
     assert "first divergence: activation step0/embedding.word_embeddings\n" in result.output
+
+
+@pytest.fixture(scope="module")
+def half_vocab_dumps(tmp_path_factory) -> dict[str, Path]:
+    """--half-vocab (token ids under 32 of the 64), steps 0 and 1: on one process (TP=1), at TP=2 (TP
+    rank 1's shard of the embedding's gradient all zero: no token reaches its rows), and at TP=2 with TP
+    rank 0's shard, the one the tokens reach, zeroed. Three torchruns at once."""
+    root = tmp_path_factory.mktemp("trainer_half_vocab")
+    runs = {"tp1": (1, ()), "tp2": (2, ("--tp", "2")), "tp2_zeroed": (2, ("--tp", "2", "--bug", "zero-embedding-grad"))}
+    made = {name: root / name for name in runs}
+    finish(*(start(made[name], "--half-vocab", *args, steps="0,1", script=SCRIPT, ranks=ranks)
+             for name, (ranks, args) in runs.items()))
+    return made
+
+
+def test_a_vocabulary_shard_no_token_reaches_still_has_a_gradient(half_vocab_dumps):
+    """The Dumper decides whether a rank holds a gradient over its TP group, as megalign's worker does
+    (ddp_grads.held_gradients): rank 1's all-zero shard is dumped, and the embedding's gradient is whole."""
+    tp2 = megalign.open(half_vocab_dumps["tp2"])
+    shards = tp2.shards("param_grad", "step0/embedding.word_embeddings.weight")
+    assert [s.sharding.tp_dim for s in shards] == [0, 0] and not shards[1].tensor().any()
+    result = invoke("compare", half_vocab_dumps["tp1"], half_vocab_dumps["tp2"])
+    assert result.exit_code == 0, result.output
+    assert "param_grad  step0/embedding.word_embeddings.weight" in result.output
+
+
+def test_a_zeroed_vocabulary_shard_where_tokens_reach_it_is_caught_at_the_embeddings_gradient(half_vocab_dumps):
+    result = invoke("compare", half_vocab_dumps["tp1"], half_vocab_dumps["tp2_zeroed"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param_grad step0/embedding.word_embeddings.weight\n" in result.output
