@@ -50,6 +50,7 @@ from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
                                             output_sharding, packed_row, without_layout)
+from megalign.dump.megatron_names import another_stage_dumps, global_name, is_duplicate_embedding
 from megalign.dump.meta import dump_meta
 from megalign.dump.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
@@ -234,8 +235,9 @@ class Dumper:
         and cu_seqlens_q_padded where the documents are padded), one packed row a DP rank (split per
         document over CP ranks: the same in every dumped step); `cp_split` says how the row was split over CP ranks: "document", every
         document zigzagged on its own (get_batch_on_this_cp_rank given cu_seqlens, TE's
-        thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages:
-        NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
+        thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages: each
+        stage's layers are named by their global index, as megalign's worker names them
+        (megatron_names.py). The MLP's activation, linear_fc2's input, is dumped too (as
         `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
@@ -282,14 +284,15 @@ class Dumper:
             raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module): its "
                                       "outputs carry no placement; watch(model, outputs=False) dumps its parameters "
                                       "and gradients (DTensors), add() an output with its megalign.Sharding")
-        if outputs and megatron and self.layout.pp > 1:  # every stage counts its layers from 0: names would collide
-            raise NotImplementedError("watch() of a megatron-core model split over PP stages: add() each output")
 
         def named(path: str) -> str:
+            """A megatron-core model's layers and experts by their global index (megatron_names.py)."""
+            path = global_name(module, path) if megatron else path
             return f"{prefix}.{path}" if prefix and path else prefix or path
 
         for path, param in module.named_parameters():
-            self._watched.setdefault(named(path), param)
+            if not (megatron and is_duplicate_embedding(path, param)):
+                self._watched.setdefault(named(path), param)
         if not outputs:
             return
         hooked = [sub for path, sub in module.named_modules() if path]
@@ -311,7 +314,7 @@ class Dumper:
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 continue
-            if megatron and without_layout(path, sub):
+            if megatron and (without_layout(path, sub) or another_stage_dumps(path)):
                 continue
             self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
             if megatron and path.endswith(INPUT_CAPTURED):

@@ -19,8 +19,9 @@ import torch
 from megalign.dump.coverage import check_coverage, read_grad
 from megalign.dump.ddp_grads import gathered_grads, held_gradients, shard_grads
 from megalign.dump.dumper import Dumper
+from megalign.dump.megatron_names import global_name, is_duplicate_embedding
 from megalign.spec import RunSpec
-from megalign.stacks.megatron.model import global_name, is_duplicate_embedding, param_grad_layout, param_sharding
+from megalign.stacks.megatron.model import param_grad_layout, param_sharding
 
 
 def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: Dumper, spec: RunSpec) -> dict:
