@@ -24,6 +24,7 @@ stage is not), each TP rank taking its slice, so that any number of stages and T
 the same model (megatron's own initialisation draws each stage's weights from where the seed stands
 when the stage builds them). Planted bug: `--bug local-names`, the weights drawn from each stage's
 own names (`decoder.layers.0` on every stage), a classic of loading a checkpoint stage by stage.
+`--stats-only`: the dump holds each tensor's statistics, not its values.
 """
 
 import argparse
@@ -60,6 +61,7 @@ parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--draw-weights", action="store_true")
+parser.add_argument("--stats-only", action="store_true")
 parser.add_argument("--clip", type=float)
 parser.add_argument("--packed", action="store_true")
 parser.add_argument("--half-vocab", action="store_true")
@@ -206,7 +208,7 @@ def pipeline_step(step):
     finalize_model_grads([ddp])
 
 
-dumper = megalign.Dumper.from_env(steps=[1, 2], params=True)
+dumper = megalign.Dumper.from_env(steps=[1, 2], params=True, stats_only=args.stats_only)
 dumper.watch(ddp)  # every module's output and its gradient; parameter gradients where DDP leaves them
 for step in range(3):
     ddp.zero_grad_buffer()

@@ -140,11 +140,12 @@ def test_a_packed_row_split_as_one_sequence_is_caught_at_the_embeddings(packed_d
 def half_vocab_dumps(tmp_path_factory) -> dict[str, Path]:
     """--half-vocab (token ids under 32 of the 64) and --draw-weights (the same weights at any TP and PP),
     steps 0 and 1: on one process; at TP=2 (TP rank 1's shard of the embedding's gradient all zero: no
-    token reaches its rows), and with TP rank 0's shard, the one the tokens reach, zeroed; at PP=2, and
-    with each stage's weights drawn from its own layer names. Five torchruns at once."""
+    token reaches its rows), stats-only too, and with TP rank 0's shard, the one the tokens reach,
+    zeroed; at PP=2, and with each stage's weights drawn from its own layer names. Six torchruns at once."""
     common = ("--half-vocab", "--draw-weights")
     return dump_all(tmp_path_factory.mktemp("trainer_half_vocab"), SCRIPT, {
         "one": (1, common), "tp2": (2, (*common, "--tp", "2")),
+        "tp2_stats": (2, (*common, "--tp", "2", "--stats-only")),
         "tp2_zeroed": (2, (*common, "--tp", "2", "--bug", "zero-embedding-grad")),
         "pp2": (2, (*common, "--pp", "2")), "pp2_local_names": (2, (*common, "--pp", "2", "--bug", "local-names"))},
         steps="0,1")
@@ -159,6 +160,15 @@ def test_a_vocabulary_shard_no_token_reaches_still_has_a_gradient(half_vocab_dum
     result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["tp2"])
     assert result.exit_code == 0, result.output
     assert "param_grad  step0/embedding.word_embeddings.weight" in result.output
+
+
+def test_stats_only_the_tp_ranks_decide_together_at_the_step(half_vocab_dumps):
+    """Stats-only, an all-zero gradient is otherwise left out at close by each rank's own statistics."""
+    shards = megalign.open(half_vocab_dumps["tp2_stats"]).shards("param_grad", "step0/embedding.word_embeddings.weight")
+    assert [s.tp_rank for s in shards] == [0, 1] and shards[1].stats["abs_sum"] == 0
+    result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["tp2_stats"])
+    assert result.exit_code == 0, result.output
+    assert "198 compared, 198 passed, 0 failed\n" in result.output
 
 
 def test_a_zeroed_vocabulary_shard_where_tokens_reach_it_is_caught_at_the_embeddings_gradient(half_vocab_dumps):
