@@ -284,6 +284,11 @@ class Dumper:
             raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module): its "
                                       "outputs carry no placement; watch(model, outputs=False) dumps its parameters "
                                       "and gradients (DTensors), add() an output with its megalign.Sharding")
+        if megatron and self.layout.pp > 1 and not hasattr(module, "decoder"):
+            # Global layer names are read from the model's decoder: a part of it (its TransformerBlock)
+            # would dump every stage's first layer under one name.
+            raise NotImplementedError("watch() of a part of a megatron-core model split over PP stages: watch the "
+                                      "model (GPTModel, or megatron-core's DDP around it)")
 
         def named(path: str) -> str:
             """A megatron-core model's layers and experts by their global index (megatron_names.py)."""
