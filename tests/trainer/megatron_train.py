@@ -201,6 +201,7 @@ def loss_of(mine, total_tokens, logits):
 
 
 def pipeline_step(step):
+    """--pp: the step through megatron-core's pipeline schedule (the plain batch: not --packed)."""
     mine, total_tokens = batch(step)
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(mine, total_tokens)]),
                                 model=[ddp], num_microbatches=1, seq_length=SEQ,
@@ -208,32 +209,35 @@ def pipeline_step(step):
     finalize_model_grads([ddp])
 
 
+def step_without_schedule(step):
+    """One forward and backward of the step's batch, the loss the script's own."""
+    mine, total_tokens = packed_batch(step) if args.packed else batch(step)
+    logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None,  # [b, s, vocab/tp]
+                 packed_seq_params=mine.get("packed_seq_params"))
+    dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
+    per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
+    summed = (per_token * mine["loss_mask"]).sum()
+    count = mine["loss_mask"].sum() if args.bug == "local-tokens" else total_tokens
+    loss = summed / count  # DDP sums the gradients over DP x CP (calculate_per_token_loss: no averaging)
+    loss.backward()
+    finalize_model_grads([ddp])
+    if args.bug == "zero-embedding-grad" and parallel_state.get_tensor_model_parallel_rank() == 0:
+        model.embedding.word_embeddings.weight.main_grad.zero_()
+    reported = loss.detach()
+    dist.all_reduce(reported, group=dp_cp)
+    dumper.add("loss", "loss", reported)
+
+
 dumper = megalign.Dumper.from_env(steps=[1, 2], params=True, stats_only=args.stats_only)
 dumper.watch(ddp)  # every module's output and its gradient; parameter gradients where DDP leaves them
 for step in range(3):
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    if args.pp > 1:
-        with dumper.step(step):
-            pipeline_step(step)
-        optimizer.step()
-        continue
-    mine, total_tokens = packed_batch(step) if args.packed else batch(step)
     with dumper.step(step):
-        logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None,  # [b, s, vocab/tp]
-                     packed_seq_params=mine.get("packed_seq_params"))
-        dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
-        summed = (per_token * mine["loss_mask"]).sum()
-        count = mine["loss_mask"].sum() if args.bug == "local-tokens" else total_tokens
-        loss = summed / count  # DDP sums the gradients over DP x CP (calculate_per_token_loss: no averaging)
-        loss.backward()
-        finalize_model_grads([ddp])
-        if args.bug == "zero-embedding-grad" and parallel_state.get_tensor_model_parallel_rank() == 0:
-            model.embedding.word_embeddings.weight.main_grad.zero_()
-        reported = loss.detach()
-        dist.all_reduce(reported, group=dp_cp)
-        dumper.add("loss", "loss", reported)
+        if args.pp > 1:
+            pipeline_step(step)
+        else:
+            step_without_schedule(step)
     if args.clip is not None:
         clip_gradients(args.clip)
     optimizer.step()
