@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from megalign.errors import RunFailed
 
@@ -22,17 +23,34 @@ def read_grad(param: torch.nn.Parameter, source: str = "auto") -> Optional[torch
     return param.grad if param.grad is not None else getattr(param, "main_grad", None)
 
 
-def have_gradients(grads: list[Optional[torch.Tensor]]) -> list[bool]:
+def have_gradients(grads: list[Optional[torch.Tensor]], group: Optional[dist.ProcessGroup] = None) -> list[bool]:
     """Whether each is a gradient: an all-zero one counts as missing (it is what an untouched DDP
-    main_grad buffer holds). Read back at once: a read-back each stalls a GPU's queue at every
-    parameter (12 ms a step of a 4-layer HF Llama on an H100, py-spy). count_nonzero is one pass
+    main_grad buffer holds), unless it is nonzero on another rank of `group`, whose ranks each hold a
+    piece of every one of `grads`, in the same order (megatron's TP group: ddp_grads.held_gradients).
+    Every rank of `group` must call it. Read back at once: a read-back each stalls a GPU's queue at
+    every parameter (12 ms a step of a 4-layer HF Llama on an H100, py-spy). count_nonzero is one pass
     that allocates nothing: `any(grad != 0)` took 3.4x as long on a CPU (a 4M-element gradient)."""
-    present = [grad for grad in grads if grad is not None]
-    if not present:
+    if not grads:
+        return []
+    where = [index for index, grad in enumerate(grads) if grad is not None]
+    group = group if group is not None and dist.get_world_size(group) > 1 else None
+    if not where and group is None:
         return [False] * len(grads)
-    device = present[0].device
-    flags = iter(torch.stack([torch.count_nonzero(grad).to(device) for grad in present]).bool().tolist())
-    return [grad is not None and next(flags) for grad in grads]
+    device = collective_device(group) if group is not None else grads[where[0]].device
+    flags = torch.zeros(len(grads), dtype=torch.uint8, device=device)  # 1 where nonzero: their MAX over the group
+    if where:
+        counts = torch.stack([torch.count_nonzero(grads[index]).to(device) for index in where])
+        flags[where] = counts.bool().to(torch.uint8)
+    if group is not None:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [grad is not None and bool(flag) for grad, flag in zip(grads, flags.tolist())]
+
+
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where a tensor that `group`'s collectives take lies: NCCL takes this process's GPU's only."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_coverage(missing: list[str], total: int, source: str) -> dict:

@@ -5,16 +5,38 @@ After `finalize_model_grads`, `.grad` is None and each `param.main_grad` is a vi
 reduced values; the rest holds the rank's own unreduced gradient. The full gradient is each
 rank's shard, all-gathered into a fresh tensor (never into `grad_data`: the user's code after the
 step, clipping included, must see the buffer as DDP left it). megalign's megatron worker reads
-its gradients here too (stacks/megatron/grads.py). Duck-typed, so that dump/ imports no megatron.
+its gradients here too (stacks/megatron/grads.py), and decides as the Dumper does whether a rank
+holds one (held_gradients). Duck-typed, so that dump/ imports no megatron.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from megalign.dump.coverage import have_gradients
+
+
+def megatron_state() -> Optional[object]:
+    """megatron-core's parallel_state where the program initialised it, else None (read where the
+    program imported it: dump/ imports no megatron)."""
+    state = sys.modules.get("megatron.core.parallel_state")
+    return state if state is not None and state.model_parallel_is_initialized() else None
+
+
+def held_gradients(grads: list[Optional[torch.Tensor]]) -> list[bool]:
+    """Whether this rank holds each of `grads`, one per parameter: the rule of megalign's megatron
+    worker and of the Dumper alike. Nonzero on some rank of megatron's TP group: a vocabulary-parallel
+    embedding's shard is all zeros where no token of the batch falls in its rows, and is a gradient all
+    the same. Every TP rank calls it with the same parameters in the same order (megatron gives every
+    TP rank the same ones); without megatron's TP, each rank decides alone (coverage.have_gradients)."""
+    state = megatron_state()
+    tp = state is not None and state.get_tensor_model_parallel_world_size() > 1
+    return have_gradients(grads, state.get_tensor_model_parallel_group() if tp else None)
 
 
 def is_megatron_ddp(module: object) -> bool:

@@ -31,7 +31,6 @@ import contextlib
 import inspect
 import operator
 import os
-import sys
 import time
 import warnings
 import weakref
@@ -41,8 +40,9 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megalign.dump.coverage import have_gradients, read_grad
-from megalign.dump.ddp_grads import find_megatron_ddp, gathered_grads, is_megatron_ddp, sharded
+from megalign.dump.coverage import collective_device, read_grad
+from megalign.dump.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
+                                     megatron_state, sharded)
 from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
@@ -50,6 +50,7 @@ from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
                                             output_sharding, packed_row, without_layout)
+from megalign.dump.megatron_names import another_stage_dumps, global_name, is_duplicate_embedding
 from megalign.dump.meta import dump_meta
 from megalign.dump.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
@@ -236,8 +237,9 @@ class Dumper:
         and cu_seqlens_q_padded where the documents are padded), one packed row a DP rank (split per
         document over CP ranks: the same in every dumped step); `cp_split` says how the row was split over
         CP ranks: "document", every document zigzagged on its own (get_batch_on_this_cp_rank given cu_seqlens, TE's
-        thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages:
-        NotImplementedError. The MLP's activation, linear_fc2's input, is dumped too (as
+        thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages: each stage's
+        layers are named by their global index, as megalign's worker names them (megatron_names.py). The
+        MLP's activation, linear_fc2's input, is dumped too (as
         `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
@@ -285,10 +287,15 @@ class Dumper:
             raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module): its "
                                       "outputs carry no placement; watch(model, outputs=False) dumps its parameters "
                                       "and gradients (DTensors), add() an output with its megalign.Sharding")
-        if outputs and megatron and self.layout.pp > 1:  # every stage counts its layers from 0: names would collide
-            raise NotImplementedError("watch() of a megatron-core model split over PP stages: add() each output")
+        if megatron and self.layout.pp > 1 and not hasattr(module, "decoder"):
+            # Global layer names are read from the model's decoder: a part of it (its TransformerBlock)
+            # would dump every stage's first layer under one name.
+            raise NotImplementedError("watch() of a part of a megatron-core model split over PP stages: watch the "
+                                      "model (GPTModel, or megatron-core's DDP around it)")
 
         def named(path: str) -> str:
+            """A megatron-core model's layers and experts by their global index (megatron_names.py)."""
+            path = global_name(module, path) if megatron else path
             return f"{prefix}.{path}" if prefix and path else prefix or path
 
         # Names add() would refuse (check_name) are refused now, not from a hook in the middle of the run.
@@ -296,7 +303,8 @@ class Dumper:
         if outputs:
             _check_names("module", (named(path) for path, _ in module.named_modules() if path))
         for path, param in module.named_parameters():
-            self._watched.setdefault(named(path), param)
+            if not (megatron and is_duplicate_embedding(path, param)):
+                self._watched.setdefault(named(path), param)
         if not outputs:
             return
         hooked = [sub for path, sub in module.named_modules() if path]
@@ -318,7 +326,7 @@ class Dumper:
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 continue
-            if megatron and without_layout(path, sub):
+            if megatron and (without_layout(path, sub) or another_stage_dumps(path)):
                 continue
             self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
             if megatron and path.endswith(INPUT_CAPTURED):
@@ -450,12 +458,15 @@ class Dumper:
             if sharded(ddp):  # a collective: every rank gathers every bucket, watched or not
                 grads.update((names[id(p)], g) for p, g in gathered_grads(ddp) if id(p) in names)
         grads = {name: grads[name] if name in grads else read_grad(param) for name, param in self._watched.items()}
-        # An all-zero gradient is a missing one (have_gradients). A DTensor's test would be a
+        # An all-zero gradient is a missing one, unless another rank of megatron's TP group holds a
+        # nonzero piece of it (held_gradients: the worker's rule). A DTensor's test would be a
         # collective, and a piece may be zero on one rank only: never tested. Stats-only, each one's
-        # statistics say so at close: a read-back now would stall a device's queue every step.
+        # statistics say so at close (a read-back now would stall a device's queue every step), but
+        # not under megatron's TP: the TP ranks decide together, now.
         tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
-        later = self._writer.stats_only
-        present = {} if later else dict(zip(tested, have_gradients([grads[name] for name in tested])))
+        later = self._writer.stats_only and self.layout.tp == 1
+        held = [] if later else held_gradients([grads[name] if name in tested else None for name in grads])
+        present = {name: holds for name, holds in zip(grads, held) if name in tested}
         for name, param in self._watched.items():
             module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
             if grads[name] is not None and present.get(name, True):
@@ -622,8 +633,7 @@ _MESSAGE_BYTES = 1024
 
 def _rank_zero_says(message: Optional[str]) -> Optional[str]:
     """Rank 0's `message` (None: nothing to say) on every rank, cut to _MESSAGE_BYTES - 2 bytes."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=collective_device())
     if dist.get_rank() == 0 and message is not None:
         text = message.encode()[:_MESSAGE_BYTES - 2]
         buffer[0] = 1
@@ -766,8 +776,8 @@ def _place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None
             raise ValueError("dp_group is a process group of torch.distributed, which is not initialised")
         return RankCoords(rank=0), Layout(), None
     rank, world = dist.get_rank(), dist.get_world_size()
-    state = sys.modules.get("megatron.core.parallel_state")  # only where the program uses megatron-core
-    if state is not None and state.model_parallel_is_initialized():
+    state = megatron_state()
+    if state is not None:
         if dp_group is not None:
             raise ValueError("dp_group: megatron-core's parallel_state already places every rank")
         coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),

@@ -10,13 +10,27 @@ loss), with nothing declared but the logits' sharding. `--tp 2 --sp`: tensor and
 parallelism. `--clip MAX`: the script's own gradient clipping by the global norm, in place of the
 optimizer's (with plain DDP: the clip reads every main_grad whole). `--packed`: four documents of
 uneven lengths, this DP rank's share packed into one row (THD, PackedSeqParams), split over CP ranks
-document by document. Planted bugs: `--bug local-tokens`, the classic CP bug (each rank's loss divided
-by its own token count); `--bug local-clip`, the clip's norm computed on the rank's own shard only;
-`--bug row-split` (with --packed), the row split over CP ranks as one sequence while the attention is
-told the documents.
+document by document. `--half-vocab`: token ids from the lower half of the vocabulary only (at TP=2,
+no token reaches TP rank 1's rows of the embedding: their gradient is all zero). Planted bugs:
+`--bug local-tokens`, the classic CP bug (each rank's loss divided by its own token count);
+`--bug local-clip`, the clip's norm computed on the rank's own shard only; `--bug row-split` (with
+--packed), the row split over CP ranks as one sequence while the attention is told the documents;
+`--bug zero-embedding-grad`, TP rank 0's shard of the embedding's gradient zeroed after the reduction.
+
+`--pp N`: N pipeline stages, the step run by megatron-core's pipeline schedule
+(get_forward_backward_func), the logits and the loss on the last stage. `--draw-weights`: each
+weight matrix drawn whole from its global name (a layer's `layer_number` is global, its index on the
+stage is not), each TP rank taking its slice, so that any number of stages and TP ranks start from
+the same model (megatron's own initialisation draws each stage's weights from where the seed stands
+when the stage builds them). Planted bug: `--bug local-names`, the weights drawn from each stage's
+own names (`decoder.layers.0` on every stage), a classic of loading a checkpoint stage by stage.
+`--stats-only`: the dump holds each tensor's statistics, not its values.
 """
 
 import argparse
+import re
+import zlib
+from functools import partial
 
 # This machine has no GPU: megatron-core on the CPU (gloo) needs megalign's stand-ins, once, first.
 from megalign.stacks.megatron.cpu_patches import apply_cpu_patches
@@ -30,11 +44,12 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 import megalign
 from megalign.stacks.megatron.cp_attention import ZigzagCPAttention  # on a GPU: TE's attention spec
@@ -44,29 +59,60 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
+parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--draw-weights", action="store_true")
+parser.add_argument("--stats-only", action="store_true")
 parser.add_argument("--clip", type=float)
 parser.add_argument("--packed", action="store_true")
-parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split"])
+parser.add_argument("--half-vocab", action="store_true")
+parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split", "zero-embedding-grad",
+                                      "local-names"])
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
-parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=args.cp)
+parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=args.cp,
+                                         pipeline_model_parallel_size=args.pp)
 torch.manual_seed(1234)
 tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 VOCAB, SEQ, BATCH, LAYERS = 64, 16, 2, 2
 config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
                            tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
-                           context_parallel_size=args.cp, use_cpu_initialization=True,
+                           context_parallel_size=args.cp, pipeline_model_parallel_size=args.pp,
+                           pipeline_dtype=torch.float32, use_cpu_initialization=True,
                            hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
                            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
                            bias_dropout_fusion=False, gradient_accumulation_fusion=False)
 layer = get_gpt_layer_local_spec()
 layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
 layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
-spec = TransformerBlockSubmodules(layer_specs=[layer] * LAYERS, layer_norm=SequenceParallelNorm)
+spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),  # this stage's layers
+                                  layer_norm=SequenceParallelNorm)
 model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                 position_embedding_type="rope")
+                 position_embedding_type="rope", pre_process=parallel_state.is_pipeline_first_stage(),
+                 post_process=parallel_state.is_pipeline_last_stage())
+
+
+def draw_weights():
+    """--draw-weights: every weight matrix drawn whole from its global name, this TP rank's slice of it
+    kept (norms keep their ones and zeros)."""
+    def global_layer(match):
+        return f"decoder.layers.{model.decoder.layers[int(match.group(1))].layer_number - 1}"
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for local, param in model.named_parameters():
+            if param.ndim == 1:
+                continue
+            name = local if args.bug == "local-names" else re.sub(r"^decoder\.layers\.(\d+)", global_layer, local)
+            split = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+            shape = [size * args.tp if dim == split else size for dim, size in enumerate(param.shape)]
+            whole = 0.02 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+            param.copy_(whole if split is None else whole.chunk(args.tp, split)[tp_rank])
+
+
+if args.draw_weights:
+    draw_weights()
 sharded = args.clip is None  # the distributed optimizer, unless this script clips main_grad itself
 ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=sharded), model)
 optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0 if sharded else 0.0,
@@ -79,7 +125,7 @@ dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_
 def batch(step):
     """The whole batch of the step, this DP rank's rows, then this CP rank's zigzag share of them."""
     g = torch.Generator().manual_seed(step)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    tokens = torch.randint(0, VOCAB // 2 if args.half_vocab else VOCAB, (BATCH, SEQ + 1), generator=g)
     loss_mask = torch.ones(BATCH, SEQ)
     loss_mask[1, 3:] = 0  # uneven: the second row's loss is on 3 tokens only
     rows = slice(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
@@ -136,25 +182,62 @@ def clip_gradients(max_norm):
             param.main_grad.mul_(scale)
 
 
-dumper = megalign.Dumper.from_env(steps=[1, 2], params=True)
+def forward_step(data_iterator, module):
+    """--pp: megatron-core's pipeline schedule calls this on every stage."""
+    mine, total_tokens = next(data_iterator)
+    logits = module(mine["tokens"], mine["position_ids"], attention_mask=None)
+    return logits, partial(loss_of, mine, total_tokens)
+
+
+def loss_of(mine, total_tokens, logits):
+    """--pp, on the last stage: the loss, as the step without a schedule computes it."""
+    dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
+    per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
+    loss = (per_token * mine["loss_mask"]).sum() / total_tokens
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=dp_cp)
+    dumper.add("loss", "loss", reported)
+    return loss, mine["loss_mask"].sum().int(), {"loss": reported}  # calculate_per_token_loss: not divided again
+
+
+def pipeline_step(step):
+    """--pp: the step through megatron-core's pipeline schedule (the plain batch: not --packed)."""
+    mine, total_tokens = batch(step)
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(mine, total_tokens)]),
+                                model=[ddp], num_microbatches=1, seq_length=SEQ,
+                                micro_batch_size=mine["tokens"].shape[0])
+    finalize_model_grads([ddp])
+
+
+def step_without_schedule(step):
+    """One forward and backward of the step's batch, the loss the script's own."""
+    mine, total_tokens = packed_batch(step) if args.packed else batch(step)
+    logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None,  # [b, s, vocab/tp]
+                 packed_seq_params=mine.get("packed_seq_params"))
+    dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
+    per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
+    summed = (per_token * mine["loss_mask"]).sum()
+    count = mine["loss_mask"].sum() if args.bug == "local-tokens" else total_tokens
+    loss = summed / count  # DDP sums the gradients over DP x CP (calculate_per_token_loss: no averaging)
+    loss.backward()
+    finalize_model_grads([ddp])
+    if args.bug == "zero-embedding-grad" and parallel_state.get_tensor_model_parallel_rank() == 0:
+        model.embedding.word_embeddings.weight.main_grad.zero_()
+    reported = loss.detach()
+    dist.all_reduce(reported, group=dp_cp)
+    dumper.add("loss", "loss", reported)
+
+
+dumper = megalign.Dumper.from_env(steps=[1, 2], params=True, stats_only=args.stats_only)
 dumper.watch(ddp)  # every module's output and its gradient; parameter gradients where DDP leaves them
 for step in range(3):
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-    mine, total_tokens = packed_batch(step) if args.packed else batch(step)
     with dumper.step(step):
-        logits = ddp(mine["tokens"], mine["position_ids"], attention_mask=None,  # [b, s, vocab/tp]
-                     packed_seq_params=mine.get("packed_seq_params"))
-        dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
-        per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
-        summed = (per_token * mine["loss_mask"]).sum()
-        count = mine["loss_mask"].sum() if args.bug == "local-tokens" else total_tokens
-        loss = summed / count  # DDP sums the gradients over DP x CP (calculate_per_token_loss: no averaging)
-        loss.backward()
-        finalize_model_grads([ddp])
-        reported = loss.detach()
-        dist.all_reduce(reported, group=dp_cp)
-        dumper.add("loss", "loss", reported)
+        if args.pp > 1:
+            pipeline_step(step)
+        else:
+            step_without_schedule(step)
     if args.clip is not None:
         clip_gradients(args.clip)
     optimizer.step()

@@ -4,6 +4,8 @@ distributed optimizer, Adam, its own loss, three steps) dumped with `megalign.Du
 sequence parallelism with TP=1, at every dumped step, activations included, with nothing declared;
 the classic CP bug (each rank's loss divided by its own token count) is caught at its first tensor,
 and a gradient clip whose norm is computed on the rank's own TP shard at the next step's parameters.
+Tokens from half the vocabulary at TP=2 (a vocabulary shard no token reaches) and at PP=2 (megatron-core's
+pipeline schedule) agree with one process.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 
 import megalign
 from tests.conftest import invoke
-from tests.trainer.torchruns import finish, start
+from tests.trainer.torchruns import dump_all, finish, start
 
 SCRIPT = Path(__file__).with_name("megatron_train.py")
 
@@ -132,3 +134,63 @@ def test_a_packed_row_split_as_one_sequence_is_caught_at_the_embeddings(packed_d
     result = invoke("compare", packed_dumps["cp1"], packed_dumps["cp2_row_split"])
     assert result.exit_code == 1, result.output
     assert "first divergence: activation step0/embedding.word_embeddings\n" in result.output
+
+
+@pytest.fixture(scope="module")
+def half_vocab_dumps(tmp_path_factory) -> dict[str, Path]:
+    """--half-vocab (token ids under 32 of the 64) and --draw-weights (the same weights at any TP and PP),
+    steps 0 and 1: on one process; at TP=2 (TP rank 1's shard of the embedding's gradient all zero: no
+    token reaches its rows), stats-only too, and with TP rank 0's shard, the one the tokens reach,
+    zeroed; at PP=2, and with each stage's weights drawn from its own layer names. Six torchruns at once."""
+    common = ("--half-vocab", "--draw-weights")
+    return dump_all(tmp_path_factory.mktemp("trainer_half_vocab"), SCRIPT, {
+        "one": (1, common), "tp2": (2, (*common, "--tp", "2")),
+        "tp2_stats": (2, (*common, "--tp", "2", "--stats-only")),
+        "tp2_zeroed": (2, (*common, "--tp", "2", "--bug", "zero-embedding-grad")),
+        "pp2": (2, (*common, "--pp", "2")), "pp2_local_names": (2, (*common, "--pp", "2", "--bug", "local-names"))},
+        steps="0,1")
+
+
+def test_a_vocabulary_shard_no_token_reaches_still_has_a_gradient(half_vocab_dumps):
+    """The Dumper decides whether a rank holds a gradient over its TP group, as megalign's worker does
+    (ddp_grads.held_gradients): rank 1's all-zero shard is dumped, and the embedding's gradient is whole."""
+    tp2 = megalign.open(half_vocab_dumps["tp2"])
+    shards = tp2.shards("param_grad", "step0/embedding.word_embeddings.weight")
+    assert [s.sharding.tp_dim for s in shards] == [0, 0] and not shards[1].tensor().any()
+    result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["tp2"])
+    assert result.exit_code == 0, result.output
+    assert "param_grad  step0/embedding.word_embeddings.weight" in result.output
+
+
+def test_stats_only_the_tp_ranks_decide_together_at_the_step(half_vocab_dumps):
+    """Stats-only, an all-zero gradient is otherwise left out at close by each rank's own statistics."""
+    shards = megalign.open(half_vocab_dumps["tp2_stats"]).shards("param_grad", "step0/embedding.word_embeddings.weight")
+    assert [s.tp_rank for s in shards] == [0, 1] and shards[1].stats["abs_sum"] == 0
+    result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["tp2_stats"])
+    assert result.exit_code == 0, result.output
+    assert "198 compared, 198 passed, 0 failed\n" in result.output
+
+
+def test_a_zeroed_vocabulary_shard_where_tokens_reach_it_is_caught_at_the_embeddings_gradient(half_vocab_dumps):
+    result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["tp2_zeroed"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param_grad step0/embedding.word_embeddings.weight\n" in result.output
+
+
+def test_pp2_equals_one_process_with_each_stages_layers_named_globally(half_vocab_dumps):
+    pp2 = megalign.open(half_vocab_dumps["pp2"])
+    assert pp2.meta["layout"]["pp"] == 2
+    # stage 1's first layer, decoder.layers.0 on its stage, is dumped as the model's layer 1
+    shards = pp2.shards("activation", "step0/decoder.layers.1.self_attention.linear_qkv")
+    assert [s.pp_rank for s in shards] == [1]
+    result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["pp2"])
+    assert result.exit_code == 0, result.output
+    assert "act_grad    step1/decoder.layers.0.mlp.linear_fc2#input" in result.output
+    assert "198 compared, 198 passed, 0 failed\n" in result.output
+
+
+def test_stages_that_draw_their_weights_by_their_own_layer_names_are_caught_at_stage_1s_first_weight(
+        half_vocab_dumps):
+    result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["pp2_local_names"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param step0/decoder.layers.1.self_attention.linear_proj.weight\n" in result.output

@@ -39,8 +39,10 @@ def refused(out: Path, *args: str, script: Path, ranks: int) -> str:
     return output
 
 
-def dump_all(root: Path, script: Path, runs: dict[str, tuple[int, tuple[str, ...]]]) -> dict[str, Path]:
-    """Every run of `script` (name: its ranks and arguments) side by side, each dumping into root/name."""
+def dump_all(root: Path, script: Path, runs: dict[str, tuple[int, tuple[str, ...]]],
+             steps: str = "") -> dict[str, Path]:
+    """Every run of `script` (name: its ranks and arguments) side by side, each dumping into root/name
+    (`steps`: MEGALIGN_DUMP_STEPS)."""
     made = {name: root / name for name in runs}
-    finish(*(start(made[name], *args, script=script, ranks=ranks) for name, (ranks, args) in runs.items()))
+    finish(*(start(made[name], *args, script=script, ranks=ranks, steps=steps) for name, (ranks, args) in runs.items()))
     return made

@@ -9,16 +9,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megalign.dump.dumper import Dumper
+from megalign.dump.megatron_names import another_stage_dumps, global_name
 from megalign.dump.megatron_outputs import INPUT_CAPTURED, LocalShape, View, input_sharding, output_sharding, \
     without_layout
 from megalign.dump.sharding import Sharding
 from megalign.spec import ModelConfig
-from megalign.stacks.megatron.model import global_name, logits_layout
+from megalign.stacks.megatron.model import logits_layout
 
 LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
 
@@ -37,15 +37,12 @@ class ActivationCapture:
     def __init__(self, model: torch.nn.Module, dumper: Dumper, model_config: ModelConfig, local: LocalShape,
                  grads: bool):
         self.dumper, self.model_config, self.local, self.grads = dumper, model_config, local, grads
-        self.last_stage = parallel_state.is_pipeline_last_stage()
         self.handles, self.routers = [], []
         for local, module in model.named_modules():
             if not local:
                 continue  # the root's output is the loss (dumped by the loss function)
-            if local == "decoder" and not self.last_stage:
-                continue  # on earlier PP stages the block's output is just its last layer's output
-            if local == "rotary_pos_emb" and not parallel_state.is_pipeline_first_stage():
-                continue  # every stage computes the same table; the first one dumps it
+            if another_stage_dumps(local):
+                continue
             name = global_name(model, local)
             if isinstance(module, TopKRouter):
                 self._trace_router(module, name)

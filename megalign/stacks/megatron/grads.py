@@ -15,24 +15,13 @@ lie outside it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 
-from megalign.dump.coverage import check_coverage, have_gradients, read_grad
-from megalign.dump.ddp_grads import gathered_grads, shard_grads
+from megalign.dump.coverage import check_coverage, read_grad
+from megalign.dump.ddp_grads import gathered_grads, held_gradients, shard_grads
 from megalign.dump.dumper import Dumper
+from megalign.dump.megatron_names import global_name, is_duplicate_embedding
 from megalign.spec import RunSpec
-from megalign.stacks.megatron.model import global_name, is_duplicate_embedding, param_grad_layout, param_sharding
-
-
-def _nonzero_in_tp_group(grads: dict) -> list[bool]:
-    """Whether each gradient is nonzero on some rank of the TP group: a vocabulary-parallel embedding's
-    shard is all zeros where no token of the batch falls in its rows, and is a gradient all the same.
-    (Every TP rank holds the same parameters in the same order.)"""
-    flags = torch.tensor(have_gradients(list(grads.values())), dtype=torch.uint8)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
-    return [bool(flag) for flag in flags]
+from megalign.stacks.megatron.model import param_grad_layout, param_sharding
 
 
 def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: Dumper, spec: RunSpec) -> dict:
@@ -47,14 +36,12 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: 
         if not is_duplicate_embedding(name, param):  # the first stage dumps the word embeddings' gradient
             params[name] = param
             grads[name] = held.get(param) if held is not None else read_grad(param, spec.grad_source)
-    nonzero = _nonzero_in_tp_group(grads)
     missing, present = [], 0
-    for (name, grad), anywhere in zip(grads.items(), nonzero):
-        param = params[name]
-        if grad is None or not anywhere:
+    for (name, grad), holds in zip(grads.items(), held_gradients(list(grads.values()))):
+        if not holds:
             missing.append(name)
             continue
         present += 1
-        grad, sharding = param_grad_layout(spec.model, name, grad, param_sharding(spec.model, name, param))
+        grad, sharding = param_grad_layout(spec.model, name, grad, param_sharding(spec.model, name, params[name]))
         dumper.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], stable=True)
     return check_coverage(missing, len(missing) + present, spec.grad_source)

@@ -9,7 +9,6 @@ same numbers. `load_weights` is the one place a parameter's shard is worked out.
 from __future__ import annotations
 
 import importlib.util
-import re
 from dataclasses import replace
 
 import torch
@@ -19,14 +18,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megalign.dump.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
 from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec
 from megalign.stacks.batch import DTYPES
 from megalign.stacks.shard import Shard, WeightSource
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?=\.|$)")
 
 
 def transformer_config(spec: RunSpec) -> TransformerConfig:
@@ -169,22 +167,6 @@ def real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
     return torch.cat(shards, dim=dim).narrow(dim, 0, vocab_size)
 
 
-def global_name(model: GPTModel, local_name: str) -> str:
-    """`decoder.layers.<i>` counts from 0 on every PP stage, and `local_experts.<j>` from 0 on every
-    EP rank: give both their global index (experts as `experts.<e>`)."""
-    match = _LAYER.match(local_name)
-    if not match:
-        return local_name
-    layer = model.decoder.layers[int(match.group(1))]
-    name = f"decoder.layers.{layer.layer_number - 1}" + local_name[match.end():]
-    expert = _LOCAL_EXPERT.search(name)
-    if expert:
-        local_experts = model.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-        index = parallel_state.get_expert_model_parallel_rank() * local_experts + int(expert.group(1))
-        name = f"{name[:expert.start()]}.mlp.experts.{index}{name[expert.end():]}"
-    return name
-
-
 def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Parameter) -> Sharding:
     """megatron marks TP-split parameters with `tensor_model_parallel` and `partition_dim`; an expert's
     (`allreduce` False) are split over the expert TP ranks, which are the TP ranks or (ETP=1) none."""
@@ -192,12 +174,6 @@ def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Paramet
         return Sharding()
     fused = 2 if model_config.swiglu and gated_linear(name) else 1
     return Sharding(tp_dim=param.partition_dim, tp_parts=fused)
-
-
-def is_duplicate_embedding(name: str, param: torch.nn.Parameter) -> bool:
-    """With tied embeddings under PP, the last stage holds a copy of the word embeddings."""
-    return name == "output_layer.weight" and getattr(param, "shared_embedding", False) and not \
-        parallel_state.is_pipeline_first_stage()
 
 
 def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSource) -> None:

@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 
 from megalign.dump.format import RankCoords
 from megalign.dump.layout import BatchRow, cp_positions, cp_split_bounds, dp_rows
+from megalign.dump.megatron_names import global_name
 from megalign.spec import RunSpec
-from megalign.stacks.megatron.model import global_name
 
 
 def replay_routing(model: torch.nn.Module, spec: RunSpec, rows: list[BatchRow], coords: RankCoords) -> list:
