@@ -8,6 +8,7 @@ made once, keyed by the run it makes: its options as `megalign MODE` reads them,
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -18,11 +19,16 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from megalign.compare.sources import open_source
-from megalign.dump.format import MANIFEST
-from megalign.cli.app import app
-from megalign.cli.run import parse_run
-from megalign.options import RunConfig
+# pytest-xdist's workers export COLUMNS=80 and LINES=24; rich would fix the CLI consoles' size from them when
+# megalign is imported, and the tests give each invocation its own COLUMNS (a terminal 60 to 200 wide).
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
+
+from megalign.compare.sources import open_source  # noqa: E402
+from megalign.dump.format import MANIFEST  # noqa: E402
+from megalign.cli.app import app  # noqa: E402
+from megalign.cli.run import parse_run  # noqa: E402
+from megalign.options import RunConfig  # noqa: E402
 
 
 def invoke(*args: str, env: Optional[dict[str, str]] = None):
