@@ -187,13 +187,14 @@ def _judge_kinds(rows: list[Row]) -> tuple[list[KindScale], list[SmallScale]]:
             if not row.scale.off:  # a row off on its own says so already
                 row.notes.append(group.row_note())
             row.status = FAIL
-    said = []
+    said = [pool for pool, _ in pools if pool.off]
     for pool, indices in pools:
-        unverified = [rows[index] for index in indices if rows[index].status == PASS] if pool.unverified else []
-        for row in unverified if not pool.off else []:  # a failed row's scale was judged otherwise
-            row.notes.append(row.scale.unverified_note())
-        if pool.off or unverified:
-            said.append(pool)
+        if pool.unverified and not pool.off:
+            passed = [rows[index] for index in indices if rows[index].status == PASS]  # a failed one was judged
+            for row in passed:
+                row.notes.append(row.scale.unverified_note())
+            if passed:
+                said.append(pool)
     return [whole for whole, _ in off], said
 
 
