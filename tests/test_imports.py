@@ -6,6 +6,8 @@ Every import statement of every module is read (function-local ones and those un
 which is where the heavy imports and the circles hide), and the test fails, naming the file and line, on
 - an arrow against the parts' rule (ALLOWED);
 - a module of dump/ (the format) importing anything of megalign outside dump/ but megalign.errors;
+- the run commands (forward, backward) reaching compare/, however far round: a run reads its inputs
+  (tokens, rollouts, a dump's recorded routing) through run/ and the layers below it;
 - a circle: modules that import each other, however far round (a function-level import hides a circle
   from Python's import machinery, not from the design).
 """
@@ -45,6 +47,8 @@ ALLOWED = {
 }
 # The format imports nothing above it: what it may import besides its own modules.
 DUMP_MAY_IMPORT = {"megalign.errors"}
+# forward and backward's modules: what they reach, however far round, holds nothing of compare/.
+RUN_COMMANDS = ("megalign.cli.run", "megalign.cli.forward", "megalign.cli.backward")
 
 
 def part_of(module: str) -> str:
@@ -131,6 +135,24 @@ def dump_arrows_up() -> list[str]:
             if not target.startswith("megalign.dump.") and target not in DUMP_MAY_IMPORT]
 
 
+def run_commands_reaching_compare(commands: tuple[str, ...] = RUN_COMMANDS) -> list[str]:
+    """Each import of a compare/ module by a module the commands reach: the arrow, and how far round."""
+    graph, found = import_graph(), []
+    path = {module: [module] for module in commands}
+    frontier = list(commands)
+    while frontier:
+        following = []
+        for module in frontier:
+            for target, (where, line, name) in graph.get(module, {}).items():
+                if part_of(target) == "compare":
+                    found.append(f"{where}:{line}: {' -> '.join(path[module])} imports {name}")
+                elif target not in path:
+                    path[target] = path[module] + [target]
+                    following.append(target)
+        frontier = following
+    return found
+
+
 def circles() -> list[str]:
     """One line per circle of modules importing each other (a strongly connected part of the graph of
     two or more modules), naming each arrow of one way round it by its file and line."""
@@ -204,6 +226,10 @@ def test_dump_imports_nothing_above_it():
     assert dump_arrows_up() == []
 
 
+def test_the_run_commands_never_reach_compare():
+    assert run_commands_reaching_compare() == []
+
+
 def test_no_import_circles():
     assert circles() == []
 
@@ -242,6 +268,17 @@ def test_dump_importing_above_it_is_caught(line):
         found = dump_arrows_up()
     assert len(found) == 1 and found[0].startswith("megalign/dump/_planted_import.py:") and \
         found[0].endswith(("megalign.spec.RunSpec", "megalign.__version__")), found
+
+
+def test_the_run_commands_reaching_compare_is_caught():
+    """The failing twin: a run command reaching compare/ two arrows round, inside a function (cli/run.py
+    read --routing replay through compare/replay.py)."""
+    with planted({"cli/_planted_run.py": "from megalign.run import _planted_a\n",
+                  "run/_planted_a.py": "from megalign.stacks import _planted_b\n",
+                  "stacks/_planted_b.py": "def f():\n    from megalign.compare.lineup import line_up\n"}):
+        found = run_commands_reaching_compare(("megalign.cli._planted_run",))
+    assert found == ["megalign/stacks/_planted_b.py:2: megalign.cli._planted_run -> megalign.run._planted_a -> "
+                     "megalign.stacks._planted_b imports megalign.compare.lineup.line_up"]
 
 
 def test_a_circle_is_caught():

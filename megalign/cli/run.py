@@ -6,22 +6,18 @@ import dataclasses
 import inspect
 import os
 import shutil
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from safetensors.torch import save_file
 
-from megalign.compare.replay import check_fits, recorded_routing
 from megalign.errors import RunFailed, UserError
 from megalign.options import FLAG, Mode, RunConfig, option_fields
 from megalign.run.launch import (RunResult, check_options, launch, run_here, run_in_process,
                                            signals_as_interrupts)
 from megalign.run.plan import plan_run
-from megalign.stacks.batch import batch_rows
+from megalign.run.replay import REPLAY_FILE, routing_replay
 from megalign.stacks.dist_checkpoint import MODEL_FILE
 from megalign.cli.render import console, err_console, fail, human_bytes, plural, shown
 
@@ -63,7 +59,7 @@ def _run(config: RunConfig) -> None:
     replay_dir = None
     try:
         spec = plan_run(config)
-        replay_dir = _routing_replay(spec, stack, config.parallel.routing)
+        replay_dir = routing_replay(spec, stack, config.parallel.routing)
         spec = replace(spec, routing_replay=str(replay_dir / REPLAY_FILE)) if replay_dir else spec
         with signals_as_interrupts():
             if stack == "hf":
@@ -87,27 +83,6 @@ def _run(config: RunConfig) -> None:
             shutil.rmtree(replay_dir, ignore_errors=True)
     if result is not None:
         _summary(spec, result, stack)
-
-
-REPLAY_FILE = "routing.safetensors"
-
-
-def _routing_replay(spec, stack: str, routing: str) -> Optional[Path]:
-    """--routing replay:DUMP: the recorded choices, checked against this run, in a temporary folder of
-    ours that the workers read (safetensors: no pickle); None for --routing record."""
-    if routing == "record":
-        return None
-    kind, _, source = routing.partition(":")
-    if kind != "replay" or not source:
-        raise UserError(f"--routing {routing!r}: expected record or replay:DUMP")
-    if not spec.model.is_moe or stack != "megatron":
-        raise UserError("--routing replay needs a megatron run of an MoE model")
-    recorded = recorded_routing(Path(source))
-    check_fits(recorded, Path(source), spec.tokens, spec.model.to_dict())
-    folder = Path(tempfile.mkdtemp(prefix="megalign-replay-"))
-    choices = recorded.in_rows(batch_rows(spec))
-    save_file({name: t.contiguous() for name, t in choices.items()}, str(folder / REPLAY_FILE))
-    return folder
 
 
 def _with_progress(spec, ranks: int, run) -> RunResult:

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from megalign.compare.entries import Entry, Source, Value
-from megalign.dump.layout import BatchRow
+from megalign.dump.layout import BatchRow, at_real_tokens
 
 APART = "a sequence dim without a batch dim: not lined up between differently packed or padded batches"
 APART_UNKNOWN = "a token tensor of a dump whose rows were not recorded, shaped unlike the other side's"
@@ -115,16 +115,6 @@ def real_tokens(value: Value, batch_dim: int, seq_dim: int, rows: list[BatchRow]
             (value.tensor.shape[batch_dim], value.tensor.shape[seq_dim]) != (len(rows), rows[0].bounds[-1]):
         return replace(value, problem=f"shape {list(value.tensor.shape)} does not hold the dump's {len(rows)} rows "
                                       f"of {rows[0].bounds[-1]} tokens")
-    row_index, position = token_index(rows, value.tensor.device)
-    tensor = value.tensor.movedim((batch_dim, seq_dim), (0, 1))[row_index, position]
+    tensor = at_real_tokens(value.tensor, batch_dim, seq_dim, rows)
     return replace(value, shape=list(tensor.shape), tensor=tensor)
 
-
-def token_index(rows: list[BatchRow], device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, position) of every real token, document after document."""
-    row_index, position = [], []
-    for r, row in enumerate(rows):
-        for start, length in zip(row.bounds, row.lengths):
-            row_index.append(torch.full((length,), r))
-            position.append(torch.arange(start, start + length))
-    return torch.cat(row_index).to(device), torch.cat(position).to(device)

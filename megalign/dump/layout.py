@@ -10,6 +10,8 @@ compare) both need, each stated once.
 - CP split: each CP rank holds two zigzag chunks (of 2*cp) of every piece the row is cut into: of
   every document of a packed row split document by document, else of the whole row
   (`cp_split_bounds`, `cp_bounds`, `cp_positions`).
+- A rank's tokens: its DP rows, its CP chunks, its SP piece of them (`rank_tokens`); the batch's real
+  tokens, document after document (`token_index`, `at_real_tokens`).
 """
 
 from __future__ import annotations
@@ -148,3 +150,30 @@ def cp_positions(bounds: Sequence[int], cp_rank: int, cp_size: int, device=None)
 def zigzag_positions(local_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
     """Global sequence positions held by a CP rank of an unpacked sequence, in its local order."""
     return cp_positions(cp_bounds(None, local_len, cp_size), cp_rank, cp_size, device=device)
+
+
+def rank_tokens(rows: Sequence[BatchRow], layout: Layout, cp_split: str, tp_rank: int, cp_rank: int, dp_rank: int,
+                sp: bool) -> tuple[slice, torch.Tensor]:
+    """The tokens of the batch a rank holds of a tensor laid out by tokens: its DP rows, and the
+    positions along the sequence in its local order (its CP chunks of the rows, per document in a
+    packed row; under `sp`, its TP piece of those). The workers cut by it; run/replay.py puts them back (dump/token_tensor.py)."""
+    share = dp_rows(len(rows), layout.dp, dp_rank)
+    row = rows[share][0]  # the rows of a DP rank are cut alike: one packed row, or padded ones
+    positions = cp_positions(cp_split_bounds(row, cp_split), cp_rank, layout.cp)
+    return share, positions.chunk(layout.tp)[tp_rank] if sp else positions
+
+
+def token_index(rows: Sequence[BatchRow], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, position) of every real token, document after document."""
+    row_index, position = [], []
+    for r, row in enumerate(rows):
+        for start, length in zip(row.bounds, row.lengths):
+            row_index.append(torch.full((length,), r))
+            position.append(torch.arange(start, start + length))
+    return torch.cat(row_index).to(device), torch.cat(position).to(device)
+
+
+def at_real_tokens(tensor: torch.Tensor, batch_dim: int, seq_dim: int, rows: Sequence[BatchRow]) -> torch.Tensor:
+    """[..., rows, ..., seq, ...] -> [tokens, ...]: the real tokens of every document, in order."""
+    row_index, position = token_index(rows, tensor.device)
+    return tensor.movedim((batch_dim, seq_dim), (0, 1))[row_index, position]

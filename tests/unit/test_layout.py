@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalign.dump.layout import (BatchRow, cp_bounds, cp_positions, cp_split_bounds, dp_rows, padded_rows,
-                                  zigzag_chunks, zigzag_positions)
+from megalign.dump.layout import (BatchRow, Layout, cp_bounds, cp_positions, cp_split_bounds, dp_rows, padded_rows,
+                                  rank_tokens, zigzag_chunks, zigzag_positions)
 from megalign.dump.sharding import merge_cp
 from megalign.errors import UserError
 
@@ -97,3 +97,19 @@ def test_padded_rows_are_read_from_a_right_padded_attention_mask():
         padded_rows(torch.tensor([[1, 0, 1]]), 1, 3)  # a hole
     with pytest.raises(UserError, match=r"\[batch, seq\] mask, here \[2, 3\]"):
         padded_rows(torch.ones(2, 1, 3, 3), 2, 3)  # a 4D mask
+
+
+@pytest.mark.parametrize("tp, cp, dp, sp", [(1, 1, 1, False), (2, 1, 2, True), (2, 2, 1, True), (2, 2, 2, False),
+                                            (1, 2, 2, False)])
+def test_the_ranks_pieces_of_a_token_tensor_cover_every_token_once_a_tp_group(tp, cp, dp, sp):
+    """rank_tokens (the workers cut by it, a replaying run puts the recording back by it): the TP group
+    of each (cp, dp) rank holds every token of its rows once under SP, each TP rank all of them without."""
+    rows = [BatchRow(bounds=(0, 8, 24), lengths=(8, 14))] * 2
+    layout = Layout(tp=tp, cp=cp, dp=dp, sp=sp)
+    held = torch.zeros(2, 24, dtype=torch.int64)
+    for tp_rank in range(tp):
+        for cp_rank in range(cp):
+            for dp_rank in range(dp):
+                share, positions = rank_tokens(rows, layout, "document", tp_rank, cp_rank, dp_rank, sp)
+                held[share][:, positions] += 1
+    assert held.eq(1 if sp else tp).all()

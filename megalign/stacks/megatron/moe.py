@@ -1,7 +1,7 @@
 """Routing replay: a run of an MoE model forced to the expert choices another run recorded.
 
 The recorded choices come in this run's batch layout ([seq, rows, topk], as the router sees its
-input; compare/replay.py) and are cut to this rank's tokens: its DP rows, its CP chunks (per
+input; run/replay.py) and are cut to this rank's tokens: its DP rows, its CP chunks (per
 document in a packed row), its SP piece. The expert ids
 go to megatron's own router replay (moe_enable_routing_replay, REPLAY_FORWARD); the weights are
 forced too, with the router's probabilities still carrying the gradient (replaying ids alone leaves
@@ -16,7 +16,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from safetensors.torch import load_file
 
 from megalign.dump.format import RankCoords
-from megalign.dump.layout import BatchRow, cp_positions, cp_split_bounds, dp_rows
+from megalign.dump.layout import BatchRow, rank_tokens
 from megalign.dump.megatron_names import global_name
 from megalign.spec import RunSpec
 
@@ -48,12 +48,6 @@ def _force_weights(experts: torch.Tensor, weights: torch.Tensor):
 
 def _local_tokens(choices: torch.Tensor, spec: RunSpec, rows: list[BatchRow], coords: RankCoords) -> torch.Tensor:
     """[seq, rows, topk] -> this rank's router tokens, [local tokens, topk] in [s, b] order."""
-    layout = spec.layout
-    share = dp_rows(len(rows), layout.dp, coords.dp_rank)
-    mine = choices[:, share]
-    if layout.cp > 1:
-        row = rows[share][0]  # the rows of a DP rank are cut alike: one packed row, or padded ones
-        mine = mine.index_select(0, cp_positions(cp_split_bounds(row, spec.cp_split), coords.cp_rank, layout.cp))
-    if layout.sp:
-        mine = mine.chunk(layout.tp)[coords.tp_rank]
-    return mine.reshape(-1, choices.shape[-1]).contiguous()
+    share, positions = rank_tokens(rows, spec.layout, spec.cp_split, coords.tp_rank, coords.cp_rank, coords.dp_rank,
+                                   spec.layout.sp)
+    return choices[positions][:, share].reshape(-1, choices.shape[-1]).contiguous()
