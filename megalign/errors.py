@@ -1,4 +1,5 @@
-"""Errors a user can fix: the CLI prints them as one line and exits non-zero, never a traceback."""
+"""Errors a user can fix: the CLI prints them as one line and exits non-zero, never a traceback; and the
+kinds of value a user's file (or a dump's JSON) must hold to be read at all."""
 
 import errno
 import os
@@ -25,6 +26,16 @@ class RunFailed(Exception):
     def __init__(self, message: str, details: str = ""):
         super().__init__(message)
         self.details = details
+
+
+def is_int(value: object) -> bool:
+    """An integer as a file means one: Python's bool is an int (True == 1), a file's `true` is no count."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An int or a float, not a bool (is_int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def disk_full(error: BaseException) -> Optional[UserError]:

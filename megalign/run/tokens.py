@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from megalign.errors import UserError, read_user_text
+from megalign.errors import UserError, is_int, read_user_text
 from megalign.rollouts.read import read_rollout
 
 # Two sequences of different lengths, so that padding and uneven CP token counts are exercised.
@@ -42,7 +42,7 @@ def load_tokens(path: Path) -> list[list[int]]:
     if isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw):
         raw = [raw]
     if not (isinstance(raw, list) and raw and all(isinstance(s, list) and s for s in raw)
-            and all(isinstance(t, int) and not isinstance(t, bool) for s in raw for t in s)):
+            and all(is_int(t) for s in raw for t in s)):
         raise UserError(f"tokens file {path} must hold a non-empty list of non-empty lists of integer token ids")
     return raw
 

@@ -19,7 +19,7 @@ from typing import BinaryIO, Optional
 
 import torch
 
-from megalign.errors import UserError, read_user_text
+from megalign.errors import UserError, is_int, read_user_text
 from megalign.spec import REQUIRED_KEYS, ModelConfig
 
 MODEL_FILE = "megalign.json"
@@ -84,7 +84,7 @@ def _byte_range(folder: Path, stored) -> tuple[str, int]:
     if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or Path(name).name != name:
         raise UserError(f"--load {folder}: its {INDEX_FILE} names {name!r}, not a file of the checkpoint's folder: a "
                         "damaged or planted index")
-    if not all(type(n) is int and n >= 0 for n in (offset, length)):  # bool is an int subclass: not a count
+    if not all(is_int(n) and n >= 0 for n in (offset, length)):
         raise UserError(f"--load {folder}: its {INDEX_FILE} gives {name!r} offset {offset!r} length {length!r}, not "
                         "byte counts: a damaged index")
     return name, offset + length

@@ -17,6 +17,7 @@ from megalign.compare.steps import step_name, step_order
 from megalign.dump.format import TensorRecord, repeat_name
 from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump
+from megalign.errors import is_int
 
 
 def open_megalign(path: Path) -> Source:
@@ -84,7 +85,7 @@ def _called(record: TensorRecord) -> int:
 def _steps(meta: dict) -> list[int]:
     """The steps a Dumper's dump.json lists (none for a megalign run's)."""
     steps = meta.get("steps")
-    return [n for n in steps if type(n) is int] if isinstance(steps, list) else []
+    return [n for n in steps if is_int(n)] if isinstance(steps, list) else []
 
 
 def _kernel(meta: dict, layout: Layout) -> str:
@@ -108,7 +109,7 @@ def _step(marks: Optional[list], order: int) -> Optional[int]:
     """The step a record was written in, from its manifest's [step, first record] marks (Dumper)."""
     found = None
     for mark in marks if isinstance(marks, list) else []:
-        if isinstance(mark, list) and len(mark) == 2 and all(type(v) is int for v in mark) and order >= mark[1]:
+        if isinstance(mark, list) and len(mark) == 2 and all(map(is_int, mark)) and order >= mark[1]:
             found = mark[0]
     return found
 
