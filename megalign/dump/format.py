@@ -111,9 +111,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# A run's precision as dump.json names it (thresholds are set per precision), narrowest first.
-PRECISIONS = ("fp16", "bf16", "fp32", "fp64")
-_PRECISION_OF_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+# A run's precision as dump.json and --dtype name it (thresholds are set per precision), narrowest first,
+# and the torch dtype it computes in: the one table of precision names.
+PRECISION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+PRECISIONS = tuple(PRECISION_DTYPES)
+_PRECISION_OF_DTYPE = {dtype_name(dtype): precision for precision, dtype in PRECISION_DTYPES.items()}
 
 
 def precision_name(dtype: str) -> Optional[str]:

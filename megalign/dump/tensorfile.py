@@ -26,13 +26,15 @@ import xxhash
 from megalign.dump.format import dtype_name
 from megalign.errors import UserError, is_int
 
-# safetensors' dtype names, the ones torch reads.
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+# safetensors' dtype names, the ones torch reads: the one table of what a dump stores.
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+# The same dtypes by the names a manifest records (torch's: `bfloat16`).
+STORED_DTYPES = {dtype_name(dtype): dtype for dtype in SAFETENSORS_DTYPES.values()}
 # What a dump holds, as a refusal says it.
-STORED = f"dense tensors of {', '.join(dtype_name(dtype) for dtype in DTYPES.values())}, with values"
+STORED = f"dense tensors of {', '.join(dtype_name(dtype) for dtype in SAFETENSORS_DTYPES.values())}, with values"
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 
 
@@ -45,7 +47,7 @@ def unstorable(tensor: torch.Tensor) -> Optional[str]:
         return f"a tensor of layout {tensor.layout}"
     if tensor.is_meta:
         return "a tensor on the meta device"
-    if tensor.dtype not in NAMES:
+    if tensor.dtype not in SAFETENSORS_NAMES:
         return f"a {dtype_name(tensor.dtype)} tensor"
     return None
 
@@ -69,7 +71,7 @@ def write_file(path: Path, tensors: dict[str, torch.Tensor],
     header, offset = {}, 0
     for key, tensor in tensors.items():
         size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
+        header[key] = {"dtype": SAFETENSORS_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -172,7 +174,7 @@ def _entry(header: dict, key: str, data_size: int) -> tuple[torch.dtype, list[in
     if not isinstance(entry, dict):
         raise _Unreadable(f"no tensor {key!r}")
     name, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    dtype = DTYPES.get(name) if isinstance(name, str) else None
+    dtype = SAFETENSORS_DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise _Unreadable(f"tensor {key!r}: dtype {entry.get('dtype')!r}")
     if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):

@@ -13,15 +13,13 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord, check_name, dtype_name
+from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord, check_name
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import MeshPlacement, Sharding
 from megalign.dump.stats import TensorStats
-from megalign.dump.tensorfile import DTYPES as STORED_DTYPES
+from megalign.dump.tensorfile import STORED_DTYPES
 from megalign.errors import UserError, is_int, is_number
 
-# The dtypes a dump stores, by the names dtype_name() writes, and their sizes in bytes.
-DTYPES = {dtype_name(dtype): dtype.itemsize for dtype in STORED_DTYPES.values()}
 LAYOUT_AXES = ("tp", "pp", "cp")  # every dump has them; dp came later, 1 when absent
 
 
@@ -169,7 +167,7 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
     if not isinstance(shape, list):
         raise Malformed(f"{where}: shape must be a list of integers")
     dtype = record.get("dtype")
-    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list is unhashable: a dict lookup would raise
+    if not isinstance(dtype, str) or dtype not in STORED_DTYPES:  # a list is unhashable: a dict lookup would raise
         raise Malformed(f"{where}: unknown dtype {dtype!r}")
     file, key, stats = record.get("file"), record.get("key"), record.get("stats")
     if file is None and stats is None:
@@ -177,7 +175,7 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
     shape = [_int(n, f"{where}: shape") for n in shape]
     if file is not None:
         # Its bytes must fit in its file: a shape claiming more would be allocated before any read.
-        check_tensor_file(_str(file, f"{where}: file"), rank_dir, where, holds=math.prod(shape) * DTYPES[dtype])
+        check_tensor_file(_str(file, f"{where}: file"), rank_dir, where, holds=math.prod(shape) * STORED_DTYPES[dtype].itemsize)
         _str(key, f"{where}: key")
     return TensorRecord(kind=kind, name=_name(record.get("name"), f"{where}: name"),
                         order=_int(record.get("order"), f"{where}: order"),

@@ -15,9 +15,6 @@ from megalign.dump.layout import BatchRow, dp_rows
 from megalign.errors import UserError
 from megalign.spec import RunSpec
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-
-
 def mean_token_loss(per_token: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """The masked token losses summed and divided by `count` valid tokens: every stack's normalisation."""
     return (per_token.float() * mask).sum() / count.clamp(min=1)

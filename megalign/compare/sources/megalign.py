@@ -8,8 +8,6 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from megalign.compare.entries import Entry, Source, phase
 from megalign.compare.plan import Shard, full_shape
 from megalign.compare.reassemble import reassemble
@@ -17,6 +15,7 @@ from megalign.compare.steps import step_name, step_order
 from megalign.dump.format import TensorRecord, repeat_name
 from megalign.dump.layout import Layout
 from megalign.dump.reader import Dump
+from megalign.dump.tensorfile import STORED_DTYPES
 from megalign.errors import is_int
 
 
@@ -119,7 +118,7 @@ def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: Optional
     """An entry of a dump; where it holds several steps, ordered by step first."""
     record = shards[0].record
     shape = full_shape(shards, dump.layout)
-    itemsize = getattr(torch, record.dtype).itemsize
+    itemsize = STORED_DTYPES[record.dtype].itemsize
     order = step_order(step) if several else ()
     return Entry(kind=kind, name=name, order=order + _order(shards[0]), layer=record.layer, step=step,
                  load=partial(reassemble, dump, shards),

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 
 from megalign.dump.coverage import check_coverage, have_gradients
 from megalign.dump.dumper import Dumper
-from megalign.dump.format import layer_of
+from megalign.dump.format import PRECISION_DTYPES, layer_of
 from megalign.dump.meta import package_version
 from megalign.dump.sharding import Sharding
 from megalign.errors import UserError
 from megalign.spec import RunSpec
-from megalign.stacks.batch import DTYPES, batch_rows, build_batch, mean_token_loss
+from megalign.stacks.batch import batch_rows, build_batch, mean_token_loss
 from megalign.stacks.events import emit, failures_reported
 from megalign.stacks.hf.checkpoint import HFCheckpoint, open_checkpoint
 from megalign.stacks.hf.families import SAME, Rule
@@ -89,7 +89,7 @@ def load_model(checkpoint: HFCheckpoint, spec: RunSpec) -> torch.nn.Module:
     logging.disable_progress_bar()  # the CLI draws its own status
     try:
         model = AutoModelForCausalLM.from_pretrained(checkpoint.path, attn_implementation="eager",
-                                                     dtype=DTYPES[spec.dtype], use_safetensors=True)
+                                                     dtype=PRECISION_DTYPES[spec.dtype], use_safetensors=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"--hf {checkpoint.path}: transformers cannot load it ({str(e).splitlines()[0]})") from None
     return model.to(spec.device).train(False)  # eval: no dropout, as megatron's run (dropout 0)

@@ -18,17 +18,17 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megalign.dump.format import PRECISION_DTYPES
 from megalign.dump.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
 from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec
-from megalign.stacks.batch import DTYPES
 from megalign.stacks.shard import Shard, WeightSource
 
 
 
 def transformer_config(spec: RunSpec) -> TransformerConfig:
-    model, layout, dtype = spec.model, spec.layout, DTYPES[spec.dtype]
+    model, layout, dtype = spec.model, spec.layout, PRECISION_DTYPES[spec.dtype]
     return TransformerConfig(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
