@@ -4,7 +4,7 @@ The run waits only for each tensor's copy to host memory. Background threads wri
 hash the bytes as they write them, so the run goes on while the disk works; a device tensor is
 copied into pinned host memory asynchronously, and the writing thread waits for that copy, not the
 run. A stable device tensor (a parameter gradient after the step) is not copied at all: the thread
-streams it to its file through two pinned buffers (staging.py). A device tensor's copy is made on
+streams it to its file through two pinned buffers (pinned.py). A device tensor's copy is made on
 the device, within a room there that the run waits on when the disk falls behind.
 """
 
@@ -24,7 +24,7 @@ import torch
 from megalign.dump.format import (COMPACT, FORMAT, MANIFEST, VERSION, Kind, RankCoords, TensorRecord, dtype_name,
                                   rank_dirname, write_text_atomic)
 from megalign.dump.sharding import Sharding
-from megalign.dump.staging import PinnedStaging
+from megalign.dump.pinned import PinnedBuffers
 from megalign.dump.stats import SummaryBatch, TensorStats
 from megalign.dump.tensorfile import STORED, unstorable, write_file
 
@@ -75,7 +75,7 @@ class RankWriter:
         # cost 3.4 ms more at close.
         self._entries: dict[int, str] = {}
         self._pool = ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="megalign-writer")
-        self._local = threading.local()  # each writing thread's own pinned buffers: .staging
+        self._local = threading.local()  # each writing thread's own pinned buffers: .pinned
         self._error: Optional[BaseException] = None  # the first error a writing thread met
         # Device copies not yet written, and how many bytes of them the device may hold (set at the first).
         self._on_device = 0
@@ -181,10 +181,10 @@ class RankWriter:
             for _, _, ready in pending:
                 if ready is not None:
                     ready.synchronize()
-            if not hasattr(self._local, "staging"):
-                self._local.staging = PinnedStaging()
+            if not hasattr(self._local, "pinned"):
+                self._local.pinned = PinnedBuffers()
             written, hashes = write_file(path, {record.key: held for record, held, _ in pending},
-                                         self._local.staging.pieces)
+                                         self._local.pinned.pieces)
             for record, _, _ in pending:
                 record.hash = hashes[record.key]
                 self._entries[record.order] = _entry(record)
@@ -201,7 +201,7 @@ class RankWriter:
         """What the thread writes from: a contiguous copy, or a stable tensor itself; on a device,
         the event the thread waits for first (the copy done, or the tensor final); and whether it
         was copied on the device. There a copy costs the step a fraction of a millisecond, and the
-        thread streams it out through its two pinned buffers on a side stream (staging.py), while a
+        thread streams it out through its two pinned buffers on a side stream (pinned.py), while a
         quarter of the device memory free at the first copy holds the copies not yet written. When
         that room is full the run waits for the disk to free some (_room_on_device). A copy into host
         memory (a tensor larger than the room) is page-locked anew

@@ -21,7 +21,7 @@ def mean_token_loss(per_token: torch.Tensor, mask: torch.Tensor, count: torch.Te
 
 
 @dataclass
-class Batch:
+class BatchTensors:
     """[batch, seq] tensors: tokens, next-token labels, loss mask (0 on padding and last token), positions."""
 
     tokens: torch.Tensor
@@ -38,10 +38,10 @@ def batch_rows(spec: RunSpec) -> list[BatchRow]:
     """The rows a run feeds the model: one padded sequence a row, or (--packed) one packed row a DP rank."""
     if spec.packed:
         return packed_rows(spec.tokens, spec.seq_len, spec.layout.dp, spec.layout.packing_multiple)
-    return padded_rows(spec.tokens, spec.seq_len)
+    return rows_of_sequences(spec.tokens, spec.seq_len)
 
 
-def padded_rows(tokens: list[list[int]], seq_len: int) -> list[BatchRow]:
+def rows_of_sequences(tokens: list[list[int]], seq_len: int) -> list[BatchRow]:
     """One sequence a row, right-padded to seq_len."""
     return [BatchRow(bounds=(0, seq_len), lengths=(len(seq),)) for seq in tokens]
 
@@ -78,7 +78,8 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def build_batch(tokens: list[list[int]], rows: list[BatchRow], label_mask: Optional[list[list[int]]] = None) -> Batch:
+def build_batch(tokens: list[list[int]], rows: list[BatchRow],
+                label_mask: Optional[list[list[int]]] = None) -> BatchTensors:
     """The documents placed in their rows, in order; padding is token 0. Labels are the next token of
     the same document, positions restart at every document, and causal attention (within a document,
     for packed rows) keeps real tokens from seeing the padding. `label_mask` (a rollout's response
@@ -99,4 +100,4 @@ def build_batch(tokens: list[list[int]], rows: list[BatchRow], label_mask: Optio
             if masks is not None:
                 loss_mask[r, start:start + length] *= torch.tensor(next(masks), dtype=loss_mask.dtype)
             positions[r, start:end] = torch.arange(end - start)
-    return Batch(tokens=ids, labels=labels, loss_mask=loss_mask, position_ids=positions)
+    return BatchTensors(tokens=ids, labels=labels, loss_mask=loss_mask, position_ids=positions)

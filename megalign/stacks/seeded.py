@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from megalign.stacks.shard import Shard, WeightSource
+from megalign.stacks.shard import ParamShard, WeightSource
 
 CHUNK = 1 << 20
 
 
 def seeded_weights(seed: int, std: float, chunk: int = CHUNK) -> WeightSource:
     """N(0, std) for matrices and biases, N(1, std) for norm scales."""
-    def shard_of(name: str, shard: Shard) -> torch.Tensor:
+    def shard_of(name: str, shard: ParamShard) -> torch.Tensor:
         mean = 1.0 if _is_norm_scale(name) else 0.0
         # A whole tensor is drawn chunk by chunk into the parameter's device, each chunk's copy there
         # overlapping the others' drawing. A shard is cut from a full tensor in host memory, whose

@@ -18,7 +18,7 @@ from megalign.errors import UserError
 
 
 @dataclass(frozen=True)
-class Shard:
+class ParamShard:
     shape: tuple[int, ...]  # the full tensor's
     sharding: Sharding = REPLICATED
     tp_rank: int = 0
@@ -59,13 +59,13 @@ def _numel(shape) -> int:
     return n
 
 
-WeightSource = Callable[[str, Shard], torch.Tensor]
+WeightSource = Callable[[str, ParamShard], torch.Tensor]
 
 
 def from_full(full: Callable[[str, tuple], torch.Tensor]) -> WeightSource:
     """A source of full tensors (a checkpoint's), cut to each rank's shard."""
 
-    def shard_of(name: str, shard: Shard) -> torch.Tensor:
+    def shard_of(name: str, shard: ParamShard) -> torch.Tensor:
         value = full(name, shard.shape)
         if tuple(value.shape) != shard.shape:
             raise UserError(f"weight {name}: expected shape {shard.shape}, got {tuple(value.shape)}")

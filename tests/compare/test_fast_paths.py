@@ -24,7 +24,7 @@ from megalign.compare.verdict import compare_sources
 from megalign.dump import writer as writer_module
 from megalign.dump.format import RankCoords
 from megalign.dump.sharding import Sharding
-from megalign.dump.staging import PinnedStaging
+from megalign.dump.pinned import PinnedBuffers
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
 from megalign.dump.writer import RankWriter
@@ -129,8 +129,8 @@ def test_device_tensors_stream_through_the_pinned_buffers(tmp_path):
     tensors = {"0": torch.randn(1000, 7, generator=generator), "1": torch.arange(5), "2": torch.empty(0, 3),
                "3": torch.randn(333, generator=generator).bfloat16(), "4": torch.tensor(2.5)}
     path = tmp_path / "t.safetensors"
-    staging = PinnedStaging(piece_bytes=1000)  # many pieces a tensor, the two buffers taking turns
-    _, hashes = write_file(path, {key: tensor.cuda() for key, tensor in tensors.items()}, staging.pieces)
+    pinned = PinnedBuffers(piece_bytes=1000)  # many pieces a tensor, the two buffers taking turns
+    _, hashes = write_file(path, {key: tensor.cuda() for key, tensor in tensors.items()}, pinned.pieces)
     assert hashes == {key: content_hash(tensor) for key, tensor in tensors.items()}
     assert all(torch.equal(value, tensors[key]) for key, value in load_file(str(path)).items())
 

@@ -9,7 +9,7 @@ import torch
 
 from megalign.dump.sharding import Sharding, merge_tp
 from megalign.stacks.seeded import seeded_weights
-from megalign.stacks.shard import Shard
+from megalign.stacks.shard import ParamShard
 
 CHUNK = 7  # divides none of the shapes below, nor any shard's rows
 CASES = [  # (name, full shape, sharding)
@@ -22,7 +22,7 @@ CASES = [  # (name, full shape, sharding)
 
 
 def draw(name: str, shape, sharding=Sharding(), tp_rank=0, tp_size=1, chunk=CHUNK, seed=1234):
-    return seeded_weights(seed, 0.02, chunk=chunk)(name, Shard(tuple(shape), sharding, tp_rank, tp_size))
+    return seeded_weights(seed, 0.02, chunk=chunk)(name, ParamShard(tuple(shape), sharding, tp_rank, tp_size))
 
 
 @pytest.mark.parametrize("name,shape,sharding", CASES, ids=[c[0].rsplit(".", 2)[-2] + str(c[1]) for c in CASES])
@@ -31,7 +31,7 @@ def test_a_shard_drawn_directly_is_the_slice_of_the_full_tensor(name, shape, sha
     full = draw(name, shape)
     shards = [draw(name, shape, sharding, rank, tp_size) for rank in range(tp_size)]
     for rank, drawn in enumerate(shards):
-        assert torch.equal(drawn, Shard(shape, sharding, rank, tp_size).of(full))
+        assert torch.equal(drawn, ParamShard(shape, sharding, rank, tp_size).of(full))
     assert torch.equal(merge_tp(shards, sharding.tp_dim, sharding.tp_parts), full)
 
 

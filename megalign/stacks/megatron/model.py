@@ -1,6 +1,6 @@
 """Building megatron-core's GPTModel for one rank, with weights that do not depend on the layout.
 
-Every parameter is set from a weight source asked for this rank's Shard of the parameter's full,
+Every parameter is set from a weight source asked for this rank's ParamShard of the parameter's full,
 unsharded tensor, by global name (stacks/shard.py): seeded weights (stacks/seeded.py) draw only
 that shard, a checkpoint's full tensors are cut to it; so TP=1, TP=2, PP=2 and CP=N all hold the
 same numbers. `load_weights` is the one place a parameter's shard is worked out.
@@ -23,7 +23,7 @@ from megalign.dump.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
 from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec
-from megalign.stacks.shard import Shard, WeightSource
+from megalign.stacks.shard import ParamShard, WeightSource
 
 
 
@@ -177,7 +177,7 @@ def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Paramet
 
 
 def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSource) -> None:
-    """Set every parameter from `weights(global_name, its Shard)`."""
+    """Set every parameter from `weights(global_name, its ParamShard)`."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for local, param in model.named_parameters():
@@ -189,7 +189,7 @@ def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSour
             shape = list(param.shape)
             if sharding.tp_dim is not None:
                 shape[sharding.tp_dim] *= tp_size
-            param.copy_(weights(name, Shard(tuple(shape), sharding, tp_rank, tp_size, param.dtype, param.device)))
+            param.copy_(weights(name, ParamShard(tuple(shape), sharding, tp_rank, tp_size, param.dtype, param.device)))
 
 
 def _is_expert(param: torch.nn.Parameter) -> bool:

@@ -18,7 +18,7 @@ from megalign.dump.tensorfile import tensor_bytes
 PIECE_BYTES = 32 << 20
 
 
-class PinnedStaging:
+class PinnedBuffers:
     """Two pinned buffers of `piece_bytes`, made at the first device tensor; one thread uses them."""
 
     def __init__(self, piece_bytes: int = PIECE_BYTES):
