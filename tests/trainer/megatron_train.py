@@ -28,7 +28,8 @@ own names (`decoder.layers.0` on every stage), a classic of loading a checkpoint
 
 `--moe`: a mixture of experts in every layer (megatron-core's MoE layer spec: 4 experts, top-2, no
 load-balancing loss), `--ep N` splitting them over N expert-parallel ranks (each holds 4/N experts,
-`local_experts.0` on every rank); with --draw-weights each expert is drawn from its global index.
+`local_experts.0` on every rank), `--etp M` over M expert TP ranks (megatron's default: TP; under TP,
+MoE needs `--sp`); with --draw-weights each expert is drawn whole from its global index.
 Planted bug: `--bug local-experts`, the experts drawn from each EP rank's own indices (expert 2
 drawn as expert 0 on EP rank 1), the expert twin of local-names.
 """
@@ -68,6 +69,7 @@ parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--moe", action="store_true")
 parser.add_argument("--ep", type=int, default=1)
+parser.add_argument("--etp", type=int)
 parser.add_argument("--draw-weights", action="store_true")
 parser.add_argument("--stats-only", action="store_true")
 parser.add_argument("--clip", type=float)
@@ -79,13 +81,14 @@ args = parser.parse_args()
 
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=args.cp,
-                                         pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep)
+                                         pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep,
+                                         expert_tensor_parallel_size=args.etp)
 torch.manual_seed(1234)
 tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
 VOCAB, SEQ, BATCH, LAYERS, EXPERTS = 64, 16, 2, 2, 4
 moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=48, moe_router_load_balancing_type="none",
-           expert_model_parallel_size=args.ep) if args.moe else {}
+           expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp) if args.moe else {}
 config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
                            tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
                            context_parallel_size=args.cp, pipeline_model_parallel_size=args.pp,
@@ -113,7 +116,12 @@ def draw_weights():
         first = 0 if args.bug == "local-experts" else parallel_state.get_expert_model_parallel_rank() * EXPERTS // args.ep
         return f"experts.{first + int(match.group(1))}"
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    def tp_split(param):  # an expert (megatron marks it allreduce False) is split over the expert TP ranks
+        if getattr(param, "allreduce", True) is False:
+            return (parallel_state.get_expert_tensor_parallel_world_size(),
+                    parallel_state.get_expert_tensor_parallel_rank())
+        return args.tp, parallel_state.get_tensor_model_parallel_rank()
+
     with torch.no_grad():
         for local, param in model.named_parameters():
             if param.ndim == 1:
@@ -121,9 +129,10 @@ def draw_weights():
             name = local if args.bug == "local-names" else re.sub(r"^decoder\.layers\.(\d+)", global_layer, local)
             name = re.sub(r"experts\.local_experts\.(\d+)", global_expert, name)
             split = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
-            shape = [size * args.tp if dim == split else size for dim, size in enumerate(param.shape)]
+            tp, tp_rank = tp_split(param)
+            shape = [size * tp if dim == split else size for dim, size in enumerate(param.shape)]
             whole = 0.02 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
-            param.copy_(whole if split is None else whole.chunk(args.tp, split)[tp_rank])
+            param.copy_(whole if split is None else whole.chunk(tp, split)[tp_rank])
 
 
 if args.draw_weights:
