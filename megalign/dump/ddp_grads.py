@@ -28,15 +28,41 @@ def megatron_state() -> Optional[object]:
     return state if state is not None and state.model_parallel_is_initialized() else None
 
 
-def held_gradients(grads: list[Optional[torch.Tensor]]) -> list[bool]:
-    """Whether this rank holds each of `grads`, one per parameter: the rule of megalign's megatron
-    worker and of the Dumper alike. Nonzero on some rank of megatron's TP group: a vocabulary-parallel
-    embedding's shard is all zeros where no token of the batch falls in its rows, and is a gradient all
-    the same. Every TP rank calls it with the same parameters in the same order (megatron gives every
-    TP rank the same ones); without megatron's TP, each rank decides alone (coverage.have_gradients)."""
+def held_gradients(grads: list[Optional[torch.Tensor]], params: list[torch.nn.Parameter]) -> list[bool]:
+    """Whether this rank holds each of `grads`, the gradients of `params`: the rule of megalign's
+    megatron worker and of the Dumper alike. Nonzero on some rank of the parameter's megatron TP group
+    (tp_group): a vocabulary-parallel embedding's shard is all zeros where no token of the batch falls
+    in its rows, and is a gradient all the same. An expert's is decided over the expert TP ranks, whose
+    EP rank (its experts) is this rank's: over the TP ranks, expert 0's gradient on one rank would
+    vouch for expert 2's on the next. Every rank of a group calls it with the same parameters in the
+    same order (megatron gives every TP rank the same ones, and every expert TP rank the same
+    experts); without megatron's TP, each rank decides alone (coverage.have_gradients)."""
+    held = [False] * len(grads)
+    for expert in (False, True):  # one collective each, in one order on every rank
+        where = [index for index, param in enumerate(params) if is_expert(param) == expert]
+        group = tp_group(params[where[0]]) if where else None
+        for index, holds in zip(where, have_gradients([grads[index] for index in where], group)):
+            held[index] = holds
+    return held
+
+
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """megatron-core marks an expert's parameters `allreduce` False: DDP reduces their gradients over
+    the expert-data-parallel ranks (those holding the same experts), not the DP ranks."""
+    return getattr(param, "allreduce", True) is False
+
+
+def tp_group(param: torch.nn.Parameter) -> Optional[dist.ProcessGroup]:
+    """The ranks that split a megatron-core parameter under tensor parallelism: an expert's over the
+    expert TP ranks (ETP, which need not be TP), any other's over the TP ranks; None where none do."""
     state = megatron_state()
-    tp = state is not None and state.get_tensor_model_parallel_world_size() > 1
-    return have_gradients(grads, state.get_tensor_model_parallel_group() if tp else None)
+    if state is None:
+        return None
+    if is_expert(param):
+        size, group = state.get_expert_tensor_parallel_world_size(), state.get_expert_tensor_parallel_group
+    else:
+        size, group = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_group
+    return group() if size > 1 else None
 
 
 def is_megatron_ddp(module: object) -> bool:

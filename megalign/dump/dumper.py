@@ -42,14 +42,14 @@ import torch.distributed as dist
 
 from megalign.dump.coverage import collective_device, read_grad
 from megalign.dump.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
-                                     megatron_state, sharded)
+                                     megatron_state, sharded, tp_group)
 from megalign.dump.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
 from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
-                                            output_sharding, packed_row, without_layout)
+                                            is_router, output_sharding, packed_row, routing_choices, without_layout)
 from megalign.dump.megatron_names import another_stage_dumps, global_name, is_duplicate_embedding
 from megalign.dump.meta import dump_meta
 from megalign.dump.rows import RowLog, rows_meta
@@ -238,9 +238,11 @@ class Dumper:
         document over CP ranks: the same in every dumped step); `cp_split` says how the row was split over
         CP ranks: "document", every document zigzagged on its own (get_batch_on_this_cp_rank given cu_seqlens, TE's
         thd_get_partitioned_indices), or "row", the row zigzagged as one sequence. PP stages: each stage's
-        layers are named by their global index, as megalign's worker names them (megatron_names.py). The
-        MLP's activation, linear_fc2's input, is dumped too (as
-        `...linear_fc2#input`); an MoE layer's router and experts are skipped (no sequence layout).
+        layers are named by their global index, as megalign's worker names them (megatron_names.py), and
+        so are EP ranks' experts (`mlp.experts.<e>`). The MLP's activation, linear_fc2's input, is dumped
+        too (as `...linear_fc2#input`); an MoE layer's experts' outputs are not (permuted tokens, no
+        sequence layout), its router's decisions are, as the worker's (kind routing: `<router>.experts`
+        and `.weights`, [s, b, topk]; not its logits).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
         computes the same outputs); an output is split only where it has as many rows there as the
@@ -326,6 +328,8 @@ class Dumper:
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 continue
+            if megatron and is_router(sub):
+                self._hooks.append(sub.register_forward_hook(self._routing_hook(named(path), layout_of(path))))
             if megatron and (without_layout(path, sub) or another_stage_dumps(path)):
                 continue
             self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
@@ -464,8 +468,9 @@ class Dumper:
         # statistics say so at close (a read-back now would stall a device's queue every step), but
         # not under megatron's TP: the TP ranks decide together, now.
         tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
-        later = self._writer.stats_only and self.layout.tp == 1
-        held = [] if later else held_gradients([grads[name] if name in tested else None for name in grads])
+        later = self._writer.stats_only and self.layout.tp == self.layout.expert_tp == 1
+        held = [] if later else held_gradients([grads[name] if name in tested else None for name in grads],
+                                               list(self._watched.values()))
         present = {name: holds for name, holds in zip(grads, held) if name in tested}
         for name, param in self._watched.items():
             module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
@@ -567,6 +572,16 @@ class Dumper:
                     layout, view = sharding(module, tensor)
                     if layout is not None:  # None: an output with nothing to put back together
                         self.add_output("activation", key, tensor, layout, view=view, module=name)
+
+        return record
+
+    def _routing_hook(self, name: str, sharding: Callable) -> Callable:
+        """A megatron-core router's decisions, as megalign's worker dumps them (kind routing)."""
+        def record(module, inputs, output):
+            if self._writing:
+                for what, tensor in routing_choices(module, inputs, output).items():
+                    if self.wants("routing", f"{name}.{what}"):
+                        self.add("routing", f"{name}.{what}", tensor, sharding(module, tensor)[0], module=name)
 
         return record
 
@@ -759,8 +774,9 @@ def _tensor_parallel(module: torch.nn.Module) -> bool:
 
 def _param_sharding(param: torch.nn.Parameter) -> Sharding:
     """megatron-core marks a TP-split parameter (tensor_model_parallel, partition_dim, and
-    partition_stride: SwiGLU's fused gate|up is 2); any other parameter is a replica."""
-    if not getattr(param, "tensor_model_parallel", False):
+    partition_stride: SwiGLU's fused gate|up is 2), an expert's too where expert TP is 1 (tp_group:
+    none splits it); any other parameter is a replica."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_group(param) is None:
         return Sharding()
     return Sharding(tp_dim=param.partition_dim, tp_parts=getattr(param, "partition_stride", 1))
 
@@ -785,7 +801,9 @@ def _place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None
                             dp_rank=state.get_data_parallel_rank())
         return coords, Layout(tp=state.get_tensor_model_parallel_world_size(),
                               pp=state.get_pipeline_model_parallel_world_size(),
-                              cp=state.get_context_parallel_world_size(), dp=state.get_data_parallel_world_size()), None
+                              cp=state.get_context_parallel_world_size(), dp=state.get_data_parallel_world_size(),
+                              ep=state.get_expert_model_parallel_world_size(),
+                              etp=state.get_expert_tensor_parallel_world_size()), None
     if dp_group is None:
         return RankCoords(rank=rank, dp_rank=rank), Layout(dp=world), list(range(world))
     if hasattr(dp_group, "get_group"):  # a 1-D DeviceMesh (several dims: get_group refuses)

@@ -26,8 +26,8 @@ _QK_NORMS = ("q_layernorm", "k_layernorm")
 _IDENTITIES = ("IdentityOp", "IdentityFuncOp")  # their input again, or a function: nothing to add
 INPUT_CAPTURED = ".mlp.linear_fc2"  # modules whose input is dumped too, as `<name>#input`
 # Inside an MoE layer the experts see permuted tokens, as many as were routed to each, and the router
-# gives [tokens, experts]: no sequence layout to reassemble (megalign's worker traces the router's
-# decisions instead, as kind routing).
+# gives [tokens, experts]: no sequence layout to reassemble (the router's decisions are dumped
+# instead, as kind routing: routing_choices).
 _EXPERTS = re.compile(r"\.mlp\.experts(\.|$)")
 
 View = Optional[Callable[[torch.Tensor], torch.Tensor]]  # how a tensor is turned before it is dumped
@@ -78,7 +78,27 @@ def is_megatron_model(module: torch.nn.Module) -> bool:
 def without_layout(name: str, module: torch.nn.Module) -> bool:
     """Outputs with no sequence layout to put back together: identities, an MoE layer's router and experts."""
     kind = type(module).__name__
-    return kind in _IDENTITIES or kind.endswith("Router") or bool(_EXPERTS.search(name))
+    return kind in _IDENTITIES or is_router(module) or bool(_EXPERTS.search(name))
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Router")
+
+
+def routing_choices(router: torch.nn.Module, inputs: tuple, output: tuple,
+                    forced: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """A router's decisions from its forward call, as kind routing records them: the experts chosen
+    for each token, highest weight first, and their weights, [s, b, topk] like its input [s, b, h]
+    (every rank's experts over all of them: no EP split). `forced`: the expert ids a replay imposed, in
+    their recorded order (bf16 weights may tie)."""
+    probs, chosen = output  # [tokens, experts], tokens in [s, b] order; zero where not chosen
+    if forced is not None:
+        experts = forced.to(probs.device)
+        weights = probs.detach().gather(1, experts)
+    else:
+        weights, experts = probs.detach().masked_fill(~chosen, float("-inf")).topk(router.topk, dim=-1)
+    tokens = inputs[0].shape[:2]
+    return {"experts": experts.view(*tokens, -1), "weights": weights.view(*tokens, -1)}
 
 
 def output_sharding(module: torch.nn.Module, name: str, tensor: torch.Tensor, local: LocalShape) -> tuple[Sharding, View]:

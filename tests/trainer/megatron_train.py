@@ -25,6 +25,13 @@ the same model (megatron's own initialisation draws each stage's weights from wh
 when the stage builds them). Planted bug: `--bug local-names`, the weights drawn from each stage's
 own names (`decoder.layers.0` on every stage), a classic of loading a checkpoint stage by stage.
 `--stats-only`: the dump holds each tensor's statistics, not its values.
+
+`--moe`: a mixture of experts in every layer (megatron-core's MoE layer spec: 4 experts, top-2, no
+load-balancing loss), `--ep N` splitting them over N expert-parallel ranks (each holds 4/N experts,
+`local_experts.0` on every rank), `--etp M` over M expert TP ranks (megatron's default: TP; under TP,
+MoE needs `--sp`); with --draw-weights each expert is drawn whole from its global index.
+Planted bug: `--bug local-experts`, the experts drawn from each EP rank's own indices (expert 2
+drawn as expert 0 on EP rank 1), the expert twin of local-names.
 """
 
 import argparse
@@ -60,30 +67,36 @@ parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--moe", action="store_true")
+parser.add_argument("--ep", type=int, default=1)
+parser.add_argument("--etp", type=int)
 parser.add_argument("--draw-weights", action="store_true")
 parser.add_argument("--stats-only", action="store_true")
 parser.add_argument("--clip", type=float)
 parser.add_argument("--packed", action="store_true")
 parser.add_argument("--half-vocab", action="store_true")
 parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split", "zero-embedding-grad",
-                                      "local-names"])
+                                      "local-names", "local-experts"])
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
 parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=args.cp,
-                                         pipeline_model_parallel_size=args.pp)
+                                         pipeline_model_parallel_size=args.pp, expert_model_parallel_size=args.ep,
+                                         expert_tensor_parallel_size=args.etp)
 torch.manual_seed(1234)
 tensor_parallel.model_parallel_cuda_manual_seed(1234)
 
-VOCAB, SEQ, BATCH, LAYERS = 64, 16, 2, 2
+VOCAB, SEQ, BATCH, LAYERS, EXPERTS = 64, 16, 2, 2, 4
+moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=48, moe_router_load_balancing_type="none",
+           expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp) if args.moe else {}
 config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
                            tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
                            context_parallel_size=args.cp, pipeline_model_parallel_size=args.pp,
                            pipeline_dtype=torch.float32, use_cpu_initialization=True,
                            hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
                            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-                           bias_dropout_fusion=False, gradient_accumulation_fusion=False)
-layer = get_gpt_layer_local_spec()
+                           bias_dropout_fusion=False, gradient_accumulation_fusion=False, **moe)
+layer = get_gpt_layer_local_spec(num_experts=EXPERTS if args.moe else None, moe_grouped_gemm=False)
 layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
 layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
 spec = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),  # this stage's layers
@@ -99,16 +112,27 @@ def draw_weights():
     def global_layer(match):
         return f"decoder.layers.{model.decoder.layers[int(match.group(1))].layer_number - 1}"
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    def global_expert(match):
+        first = 0 if args.bug == "local-experts" else parallel_state.get_expert_model_parallel_rank() * EXPERTS // args.ep
+        return f"experts.{first + int(match.group(1))}"
+
+    def tp_split(param):  # an expert (megatron marks it allreduce False) is split over the expert TP ranks
+        if getattr(param, "allreduce", True) is False:
+            return (parallel_state.get_expert_tensor_parallel_world_size(),
+                    parallel_state.get_expert_tensor_parallel_rank())
+        return args.tp, parallel_state.get_tensor_model_parallel_rank()
+
     with torch.no_grad():
         for local, param in model.named_parameters():
             if param.ndim == 1:
                 continue
             name = local if args.bug == "local-names" else re.sub(r"^decoder\.layers\.(\d+)", global_layer, local)
+            name = re.sub(r"experts\.local_experts\.(\d+)", global_expert, name)
             split = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
-            shape = [size * args.tp if dim == split else size for dim, size in enumerate(param.shape)]
+            tp, tp_rank = tp_split(param)
+            shape = [size * tp if dim == split else size for dim, size in enumerate(param.shape)]
             whole = 0.02 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
-            param.copy_(whole if split is None else whole.chunk(args.tp, split)[tp_rank])
+            param.copy_(whole if split is None else whole.chunk(tp, split)[tp_rank])
 
 
 if args.draw_weights:

@@ -5,7 +5,7 @@ sequence parallelism with TP=1, at every dumped step, activations included, with
 the classic CP bug (each rank's loss divided by its own token count) is caught at its first tensor,
 and a gradient clip whose norm is computed on the rank's own TP shard at the next step's parameters.
 Tokens from half the vocabulary at TP=2 (a vocabulary shard no token reaches) and at PP=2 (megatron-core's
-pipeline schedule) agree with one process.
+pipeline schedule) agree with one process; its MoE model at EP=2 agrees with EP=1.
 """
 
 from __future__ import annotations
@@ -194,3 +194,54 @@ def test_stages_that_draw_their_weights_by_their_own_layer_names_are_caught_at_s
     result = invoke("compare", half_vocab_dumps["one"], half_vocab_dumps["pp2_local_names"])
     assert result.exit_code == 1, result.output
     assert "first divergence: param step0/decoder.layers.1.self_attention.linear_proj.weight\n" in result.output
+
+
+@pytest.fixture(scope="module")
+def moe_dumps(tmp_path_factory) -> dict[str, Path]:
+    """--moe (4 experts, top-2) with --draw-weights (each expert drawn from its global index), steps 0
+    and 1, on two ranks: DP=2 with every expert on each, EP=2 (experts 0 and 1 on rank 0, 2 and 3 on
+    rank 1, each rank `local_experts.0` and `.1`), and EP=2 with each EP rank's experts drawn from its
+    own indices; on four ranks, TP=2 with SP and EP=2 with expert TP 1 (the two TP ranks of a DP rank
+    hold other experts, each whole). Four torchruns at once."""
+    common = ("--half-vocab", "--draw-weights", "--moe")
+    return dump_all(tmp_path_factory.mktemp("trainer_moe"), SCRIPT, {
+        "ep1": (2, common), "ep2": (2, (*common, "--ep", "2")),
+        "tp2_ep2_etp1": (4, (*common, "--tp", "2", "--sp", "--ep", "2", "--etp", "1")),
+        "ep2_local_experts": (2, (*common, "--ep", "2", "--bug", "local-experts"))}, steps="0,1")
+
+
+def test_ep2_equals_ep1_with_each_ranks_experts_named_globally(moe_dumps):
+    ep2 = megalign.open(moe_dumps["ep2"])
+    assert (ep2.meta["layout"]["ep"], ep2.meta["layout"]["dp"]) == (2, 2)
+    # rank 1's local_experts.0 is the model's expert 2: its gradient, reduced over the expert-data-parallel
+    # ranks (rank 1 alone), on its EP rank only, whole (expert TP 1)
+    shards = ep2.shards("param_grad", "step0/decoder.layers.0.mlp.experts.2.linear_fc1.weight")
+    assert [(s.rank, s.sharding.tp_dim) for s in shards] == [(1, None)]
+    # the router's decisions over all 4 experts, each DP rank's tokens
+    shards = ep2.shards("routing", "step0/decoder.layers.0.mlp.router.experts")
+    assert [(s.rank, s.sharding.dp_dim) for s in shards] == [(0, 1), (1, 1)]
+    result = invoke("compare", moe_dumps["ep1"], moe_dumps["ep2"])
+    assert result.exit_code == 0, result.output
+    assert "param_grad  step1/decoder.layers.1.mlp.experts.3.linear_fc2.weight" in result.output
+    assert "routing     step1/decoder.layers.1.mlp.router.weights" in result.output
+    assert "act_grad    step1/decoder.layers.0.mlp " in result.output
+    assert "238 compared, 238 passed, 0 failed\n" in result.output
+
+
+def test_experts_under_tp2_with_expert_tp1_are_whole_on_their_ep_rank(moe_dumps):
+    """megatron marks an expert's linears TP-split at any expert TP size: read as split over the TP
+    ranks, each expert was half of a tensor whose other half no rank holds (before: exit 1, 64 not
+    reassemblable)."""
+    dump = megalign.open(moe_dumps["tp2_ep2_etp1"])
+    assert (dump.meta["layout"]["tp"], dump.meta["layout"]["ep"], dump.meta["layout"]["etp"]) == (2, 2, 1)
+    shards = dump.shards("param_grad", "step0/decoder.layers.0.mlp.experts.2.linear_fc1.weight")
+    assert [(s.tp_rank, s.sharding.tp_dim) for s in shards] == [(1, None), (1, None)]
+    result = invoke("compare", moe_dumps["ep1"], moe_dumps["tp2_ep2_etp1"])
+    assert result.exit_code == 0, result.output
+    assert "238 compared, 238 passed, 0 failed\n" in result.output
+
+
+def test_ep_ranks_that_draw_their_experts_by_their_own_indices_are_caught_at_expert_2s_first_weight(moe_dumps):
+    result = invoke("compare", moe_dumps["ep1"], moe_dumps["ep2_local_experts"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param step0/decoder.layers.0.mlp.experts.2.linear_fc1.weight\n" in result.output

@@ -15,7 +15,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megalign.dump.dumper import Dumper
 from megalign.dump.megatron_names import another_stage_dumps, global_name
 from megalign.dump.megatron_outputs import INPUT_CAPTURED, LocalShape, View, input_sharding, output_sharding, \
-    without_layout
+    routing_choices, without_layout
 from megalign.dump.sharding import Sharding
 from megalign.spec import ModelConfig
 from megalign.stacks.megatron.model import logits_layout
@@ -80,16 +80,8 @@ class ActivationCapture:
             return logits
 
         def record(module, inputs, output):
-            probs, chosen = output  # [tokens, experts], tokens in [s, b] order; zero where not chosen
-            tokens = inputs[0].shape[:2]
-            forced = _replayed(module)
-            if forced is not None:  # replayed choices in their recorded order: bf16 weights may tie
-                experts = forced.to(probs.device)
-                weights = probs.detach().gather(1, experts)
-            else:
-                weights, experts = probs.detach().masked_fill(~chosen, float("-inf")).topk(module.topk, dim=-1)
-            self._record_routing(f"{name}.experts", name, experts.view(*tokens, -1))
-            self._record_routing(f"{name}.weights", name, weights.view(*tokens, -1))
+            for what, tensor in routing_choices(module, inputs, output, _replayed(module)).items():
+                self._record_routing(f"{name}.{what}", name, tensor)
 
         router.gating = traced_gating  # an instance attribute, taken off again by remove()
         self.routers.append(router)

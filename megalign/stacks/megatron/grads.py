@@ -37,7 +37,7 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: 
             params[name] = param
             grads[name] = held.get(param) if held is not None else read_grad(param, spec.grad_source)
     missing, present = [], 0
-    for (name, grad), holds in zip(grads.items(), held_gradients(list(grads.values()))):
+    for (name, grad), holds in zip(grads.items(), held_gradients(list(grads.values()), list(params.values()))):
         if not holds:
             missing.append(name)
             continue

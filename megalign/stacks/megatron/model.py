@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megalign.dump.ddp_grads import tp_group
 from megalign.dump.format import PRECISION_DTYPES
 from megalign.dump.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.megatron_params import gated_linear
@@ -192,11 +193,6 @@ def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSour
             param.copy_(weights(name, ParamShard(tuple(shape), sharding, tp_rank, tp_size, param.dtype, param.device)))
 
 
-def _is_expert(param: torch.nn.Parameter) -> bool:
-    return getattr(param, "allreduce", True) is False
-
-
 def _tp_size(param: torch.nn.Parameter) -> int:
-    if _is_expert(param):
-        return parallel_state.get_expert_tensor_parallel_world_size()
-    return parallel_state.get_tensor_model_parallel_world_size()
+    group = tp_group(param)
+    return 1 if group is None else group.size()
