@@ -11,8 +11,9 @@ the rollout, so k3 = mean((r - 1) - log r), r = exp(delta), estimates KL(rollout
   2. a wrong model, tokenizer or ids: most sampled tokens improbable to the trainer (below 1e-4)
      though the engine gave them 100 times that or more; no sampling setting makes an engine draw
      most of its tokens from the trainer's far tail;
-  3. sampling semantics, fitted on the tokens the trainer finds probable (where a few are not, the
-     rest must still be most of the tokens, and those few are named apart):
+  3. sampling semantics, fitted on the tokens the trainer finds probable (where a few are not, they
+     are named apart, and the fit leaves them out with the tokens after them in their sequence, whose
+     context holds a wrong id: what is left must still be most of the tokens):
      - logprobs one position off: the rollout's logprob of token k is the trainer's of token k +- 1;
      - temperature: the engine's log softmax(logits / T) (SGLang's output logprobs, vLLM's
        processed_logprobs), with T fitted to the trainer's logits;
@@ -98,11 +99,14 @@ def causes(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, tok
     improbable = keep & (trainer < math.log(IMPROBABLE)) & (rollout - trainer > math.log(LIKELIER))
     if int(improbable.sum()) > MOST * int(keep.sum()):
         return [_wrong_model(rollout, trainer, keep, improbable, hf)]
-    keep &= ~improbable
-    sampling = _sampling(rollout, trainer, keep, labels, valid, logits)
+    # A wrong id is in the context of every later token of its sequence: those are the trainer's logprobs
+    # of another sequence than the engine's, left out of the fit with it.
+    fitted = keep & (improbable.long().cumsum(dim=1) == 0)
+    sampling = _sampling(rollout, trainer, fitted, labels, valid, logits) \
+        if int(fitted.sum()) > MOST * int(keep.sum()) else []
     if not improbable.any():
         return sampling
-    return sampling + [_improbable_tokens(rollout, trainer, keep | improbable, improbable, labels)]
+    return sampling + [_improbable_tokens(rollout, trainer, keep, improbable, labels)]
 
 
 def _sampling(rollout: torch.Tensor, trainer: torch.Tensor, keep: torch.Tensor, labels: torch.Tensor,
@@ -160,7 +164,8 @@ def _improbable_tokens(rollout: torch.Tensor, trainer: torch.Tensor, keep: torch
             f"(probability below {IMPROBABLE:g}, the engine's {LIKELIER:g} times more or higher; {'; '.join(places)}): "
             "their ids are likely not the ones the engine sampled (a token read from its text or bytes: \ufffd "
             "bytes, which vLLM, TensorRT-LLM and ollama write for a piece of a UTF-8 character, map several tokens "
-            "to one id); the rest are diagnosed without them")
+            "to one id); the rest are diagnosed without them and the tokens after them in their sequence (whose "
+            "context holds them), where those left are most of the tokens")
 
 
 def _above_zero(rollout: torch.Tensor, keep: torch.Tensor) -> Optional[str]:
