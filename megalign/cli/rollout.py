@@ -43,5 +43,5 @@ def print_rollout(findings: RolloutFindings, fmt: str) -> None:
     for cause in findings.causes:
         console.print(f"[bold red]cause:[/] {shown(cause)}", highlight=False, soft_wrap=True)
     if not findings.causes:
-        console.print("cause: none of the known ones (temperature, a constant offset, top-p/top-k renormalisation, "
-                      "a one-position shift) explains the logprobs' gap", highlight=False, soft_wrap=True)
+        console.print("cause: none of the known ones (impossible values, a wrong model or ids, a one-position shift, "
+                      "temperature, a constant offset, top-p/top-k renormalisation) explains the logprobs' gap", highlight=False, soft_wrap=True)

@@ -5,15 +5,21 @@ the rollout, so k3 = mean((r - 1) - log r), r = exp(delta), estimates KL(rollout
 
 - the worst sequences by k3 and by max |delta|;
 - causes, each named instead of a wall of failures, tested on the numbers (the files do not record
-  which logprobs an engine returned; docs/compare.md):
-  - a logprob above 0 (a probability above 1), beyond an engine's rounding: impossible whatever the
-    sampling, said before the rest;
-  - logprobs one position off: the rollout's logprob of token k is the trainer's of token k +- 1;
-  - temperature: the engine's log softmax(logits / T) (SGLang's output logprobs, vLLM's
-    processed_logprobs), with T fitted to the trainer's logits;
-  - a constant offset: one number, of either sign, added to every token's logprob;
-  - renormalisation over a top-p/top-k set (vLLM's processed_logprobs): every token's logprob raised
-    by the same -log(kept mass) as the rest of its set, so delta <= 0 on every token.
+  which logprobs an engine returned; docs/compare.md), in this order, the first found the one named:
+  1. impossible values, whatever the sampling: a logprob above 0 (a probability above 1) beyond an
+     engine's rounding, or one not finite (NaN, or -inf: a token sampled at probability 0);
+  2. a wrong model, tokenizer or ids: most sampled tokens improbable to the trainer (below 1e-4)
+     though the engine gave them 100 times that or more; no sampling setting makes an engine draw
+     most of its tokens from the trainer's far tail;
+  3. sampling semantics, fitted on the tokens the trainer finds probable (where a few are not, they
+     are named apart, and the fit leaves them out with the tokens after them in their sequence, whose
+     context holds a wrong id: what is left must still be most of the tokens):
+     - logprobs one position off: the rollout's logprob of token k is the trainer's of token k +- 1;
+     - temperature: the engine's log softmax(logits / T) (SGLang's output logprobs, vLLM's
+       processed_logprobs), with T fitted to the trainer's logits;
+     - a constant offset: one number, of either sign, added to every token's logprob;
+     - renormalisation over a top-p/top-k set (vLLM's processed_logprobs): every token's logprob
+       raised by the same -log(kept mass) as the rest of its set, so delta <= 0 on every token.
 """
 
 from __future__ import annotations
@@ -33,6 +39,15 @@ T_RANGE = (0.05, 20.0)
 # near-certain token's to a few ulps of its logits above 0 (+1e-7 .. +1e-5), which is no wrong field;
 # 1e-3 (a probability of 1.001) is far above any such rounding and far below a sign lost or a score.
 ROUNDING_ABOVE_ZERO = 1e-3
+# A sampled token is improbable to the trainer below this probability where the engine gave it LIKELIER
+# times more: an engine sampling from the trainer's own distribution draws such tokens about 1e-4 of
+# the time each, so more than a few of them are ids of another model or tokenizer (a checkpoint other
+# than --hf; text tokens mapped through another vocabulary; "\ufffd" bytes read as one id). A tail token
+# both sides find improbable (sampled at T >= 1) is no such id.
+IMPROBABLE = 1e-4
+LIKELIER = 100.0
+MOST = 0.5  # a cause is named only where more than this share of the tokens compared supports it
+LISTED = 3  # improbable tokens named by their place
 
 
 @dataclass
@@ -67,28 +82,90 @@ def worst(gaps: list[SequenceGap], key: Callable[[SequenceGap], float], n: int =
 
 
 def causes(rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
-           valid: torch.Tensor, logits: Callable[[], Optional[torch.Tensor]]) -> list[str]:
+           valid: torch.Tensor, logits: Callable[[], Optional[torch.Tensor]], hf: Optional[str] = None) -> list[str]:
     """The known causes the numbers show, in words. [sequence, position] tensors; `valid`: the positions
     with a next token (the trainer has a logprob there); `logits`: the trainer's [sequence, position,
-    vocab], loaded only when needed (None when the dump has none)."""
-    impossible = _above_zero(rollout.double(), mask > 0)
+    vocab], loaded only when needed (None when the dump has none); `hf`: the trainer's --hf checkpoint
+    (None: it ran without one)."""
+    rollout, trainer = rollout.double(), trainer.double()
+    compared = mask > 0
+    impossible = _above_zero(rollout, compared) or _not_finite(rollout, compared)
     if impossible:
-        return [impossible]  # no sampling setting explains a probability above 1
-    keep = (mask > 0) & rollout.isfinite()
+        return [impossible]  # no model or sampling setting explains a probability above 1 or none at all
+    keep = compared & trainer.isfinite()
     if not keep.any():
         return []
-    r, d = rollout.double()[keep], trainer.double()[keep]
+    labels = tokens.roll(-1, dims=1)  # the token each position predicts
+    improbable = keep & (trainer < math.log(IMPROBABLE)) & (rollout - trainer > math.log(LIKELIER))
+    if int(improbable.sum()) > MOST * int(keep.sum()):
+        return [_wrong_model(rollout, trainer, keep, improbable, hf)]
+    # A wrong id is in the context of every later token of its sequence: those are the trainer's logprobs
+    # of another sequence than the engine's, left out of the fit with it.
+    fitted = keep & (improbable.long().cumsum(dim=1) == 0)
+    sampling = _sampling(rollout, trainer, fitted, labels, valid, logits) \
+        if int(fitted.sum()) > MOST * int(keep.sum()) else []
+    if not improbable.any():
+        return sampling
+    return sampling + [_improbable_tokens(rollout, trainer, keep, improbable, labels)]
+
+
+def _sampling(rollout: torch.Tensor, trainer: torch.Tensor, keep: torch.Tensor, labels: torch.Tensor,
+              valid: torch.Tensor, logits: Callable[[], Optional[torch.Tensor]]) -> list[str]:
+    """The sampling setting that explains the gap on the `keep` positions, if one does."""
+    r, d = rollout[keep], trainer[keep]
     gap = _mean_square(r - d)
     if gap == 0:
         return []
-    found = [_shift(rollout.double(), trainer.double(), keep, valid > 0, gap)]
+    found = [_shift(rollout, trainer, keep, valid > 0, gap)]
     z = logits()
-    labels = tokens.roll(-1, dims=1)[keep]  # the token each kept position predicts
+    labels = labels[keep]
     z = None if z is None else z[keep].double()
     if z is not None:
         found.append(_temperature(r, z, labels, gap))
     found += [_offset(r - d), _renormalised(r - d, z, labels)]
     return [f for f in found if f][:1]  # the first that explains the gap: the others then cannot
+
+
+def _not_finite(rollout: torch.Tensor, keep: torch.Tensor) -> Optional[str]:
+    bad = keep & ~rollout.isfinite()
+    if not bad.any():
+        return None
+    sequence, position = (int(i) for i in bad.nonzero()[0])
+    return (f"impossible logprobs: {int(bad.sum())} of the rollout's {int(keep.sum())} not finite (the first "
+            f"{float(rollout[sequence, position])} at seq {sequence} pos {position}): a sampled token's logprob is a "
+            "number above -inf, whatever the sampling (a null written for a number, a token the engine gave "
+            "probability 0, another field)")
+
+
+def _wrong_model(rollout: torch.Tensor, trainer: torch.Tensor, keep: torch.Tensor, improbable: torch.Tensor,
+                 hf: Optional[str]) -> str:
+    fix = (f"is --hf {hf} the checkpoint the engine ran, and" if hf else
+           "the dump ran without --hf (seeded weights unless --load): run megalign forward --hf CKPT --rollout FILE "
+           "with the checkpoint the engine ran; otherwise")
+    return (f"wrong model, tokenizer or ids: {int(improbable.sum())} of the {int(keep.sum())} sampled tokens are "
+            f"improbable to the trainer (probability below {IMPROBABLE:g}, median "
+            f"{float(trainer[improbable].exp().median()):.2g}) where the engine gave them "
+            f"{float(rollout[improbable].exp().median()):.2g} (median): the engine did not draw these ids from "
+            f"this model, and no sampling setting explains it; {fix} are the file's ids the engine's own (string "
+            "tokens are mapped through --hf's tokenizer)?")
+
+
+def _improbable_tokens(rollout: torch.Tensor, trainer: torch.Tensor, keep: torch.Tensor, improbable: torch.Tensor,
+                       labels: torch.Tensor) -> str:
+    """The few tokens left out of the sampling fit, by place, the furthest first."""
+    gap = (rollout - trainer).masked_fill(~improbable, -math.inf)
+    order = gap.flatten().argsort(descending=True)[:min(LISTED, int(improbable.sum()))]
+    places = []
+    for flat in order.tolist():
+        sequence, position = unravel(flat, list(gap.shape))
+        places.append(f"seq {sequence} pos {position} token {int(labels[sequence, position])}: trainer "
+                      f"{float(trainer[sequence, position].exp()):.2g}, engine {float(rollout[sequence, position].exp()):.2g}")
+    return (f"{int(improbable.sum())} of the {int(keep.sum())} sampled tokens are improbable to the trainer "
+            f"(probability below {IMPROBABLE:g}, the engine's {LIKELIER:g} times more or higher; {'; '.join(places)}): "
+            "their ids are likely not the ones the engine sampled (a token read from its text or bytes: \ufffd "
+            "bytes, which vLLM, TensorRT-LLM and ollama write for a piece of a UTF-8 character, map several tokens "
+            "to one id); the rest are diagnosed without them and the tokens after them in their sequence (whose "
+            "context holds them), where those left are most of the tokens")
 
 
 def _above_zero(rollout: torch.Tensor, keep: torch.Tensor) -> Optional[str]:

@@ -66,7 +66,8 @@ def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) 
         for i, sample in enumerate(pair.rollout.samples):
             valid[i, :len(sample.tokens) - 1] = True
         found.causes = causes(pair.logprobs, trainer, mask, pair.tokens, valid,
-                              lambda: pair.laid_out("logits", "logits"))
+                              lambda: pair.laid_out("logits", "logits"),
+                              dump.meta.get("hf_checkpoint") if dump is not None else None)
     return found
 
 

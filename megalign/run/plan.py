@@ -94,6 +94,16 @@ def check_stack(config: RunConfig) -> None:
                         "up with a padded one)")
 
 
+def _rollout_vocabulary_fix(config: RunConfig) -> str:
+    """A rollout's ids are its engine's tokenizer's: outside the model's vocabulary, the model is not the engine's."""
+    source = config.source
+    if source.hf:
+        return f": the rollout's ids are another tokenizer's than --hf {source.hf}'s (the engine ran another model)"
+    model = f"--config {source.config}" if source.config else "megalign's default tiny model"
+    return f": the rollout's ids are a real model's, and this run has {model}; pass --hf CHECKPOINT, the " \
+           "checkpoint the engine ran"
+
+
 def plan_run(config: RunConfig) -> RunSpec:
     """The RunSpec of `config`, its defaults resolved (--out, --dp, --seq-len, --device, the model, the tokens)."""
     batch = config.batch
@@ -110,7 +120,7 @@ def plan_run(config: RunConfig) -> RunSpec:
         raise UserError("--rollout and --tokens cannot be combined: the rollout's prompts and responses are the tokens")
     tokens, label_mask = rollout if rollout else \
         (load_tokens(batch.tokens) if batch.tokens else default_tokens(model.vocab_size), None)
-    check_tokens(tokens, model.vocab_size)
+    check_tokens(tokens, model.vocab_size, _rollout_vocabulary_fix(config) if rollout else "")
     layout = Layout(tp=p.tp, pp=p.pp, cp=p.cp, dp=1 if p.dp is None else p.dp, sp=p.sp, ep=p.ep, etp=p.etp)
     layout.check_sizes()
     if p.dp is None:

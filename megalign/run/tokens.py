@@ -47,11 +47,12 @@ def load_tokens(path: Path) -> list[list[int]]:
     return raw
 
 
-def check_tokens(tokens: list[list[int]], vocab_size: int) -> None:
+def check_tokens(tokens: list[list[int]], vocab_size: int, fix: str = "") -> None:
+    """`fix`: what to do about an id outside the vocabulary, said after it."""
     for i, seq in enumerate(tokens):
         bad = [t for t in seq if not 0 <= t < vocab_size]
         if bad:
-            raise UserError(f"sequence {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+            raise UserError(f"sequence {i} has token id {bad[0]} outside the vocabulary [0, {vocab_size}){fix}")
     if all(len(seq) < 2 for seq in tokens):
         raise UserError("no sequence has two tokens: no position has a next token to predict, so there is no "
                         "loss and no gradient")

@@ -22,6 +22,8 @@ import torch
 PROMPTS = ("The capital of France is", "Once upon a time, in a small village,")
 NEW_TOKENS = 16
 TEMPERATURE = 0.7
+UFFFD_AT = [(0, 13), (1, 14)]  # (sample, response token): the twin's ids read from "\ufffd" bytes, late
+# enough that the tokens before them (whose context they are not in) are most of the 32
 
 
 @dataclass
@@ -129,6 +131,19 @@ def chat(s: Generated, tokenizer) -> dict:
                          "logprobs": {"content": content, "refusal": None}, "finish_reason": "length"}]}
 
 
+def wrong_ids(samples: list[Generated], tokenizer, where: Optional[list[tuple[int, int]]] = None) -> list[Generated]:
+    """The engine's logprobs on ids it did not sample: every response id shifted by one in the vocabulary (another
+    tokenizer's numbering), or, at `where` ((sample, response token) pairs), the id of the "\ufffd" token, as a
+    token that splits a UTF-8 character is read back from the "\ufffd" bytes vLLM writes for it."""
+    [replacement] = tokenizer.encode("\ufffd")
+    changed = []
+    for i, s in enumerate(samples):
+        response = [(t + 1) % len(tokenizer) for t in s.response] if where is None else \
+            [replacement if (i, k) in where else t for k, t in enumerate(s.response)]
+        changed.append(Generated(s.prompt, response, s.raw, s.scaled, s.prompt_logprobs))
+    return changed
+
+
 def jsonl(samples: list[Generated], shift: bool = False) -> list:
     """megalign's JSONL; `shift`: each token given its successor's logprob (the one-position bug)."""
     return [{"prompt_ids": s.prompt, "response_ids": s.response,
@@ -151,6 +166,8 @@ def write_all(folder: Path, samples: list[Generated], tokenizer) -> dict[str, Pa
              "slime.jsonl": slime(samples),
              "twin-temperature.json": sglang(samples, scaled=True),
              "twin-shift.jsonl": jsonl(samples, shift=True),
+             "twin-wrong-ids.jsonl": jsonl(wrong_ids(samples, tokenizer)),
+             "twin-temperature-ufffd.json": sglang(wrong_ids(samples, tokenizer, UFFFD_AT), scaled=True),
              "twin-unknown.jsonl": [{"input": PROMPTS[0], "output": "Paris", "score": 1.0, "step": 3}] * 2}
     paths = {}
     for name, content in files.items():

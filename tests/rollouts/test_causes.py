@@ -1,5 +1,6 @@
-"""The causes compare names for a rollout's logprobs, on synthetic logits (the real-model twins, temperature and
-shift, are in test_rollouts.py): top-k renormalisation, a constant offset, and none for noise."""
+"""The causes compare names for a rollout's logprobs, on synthetic logits (the real-model twins, temperature,
+shift and wrong ids, are in test_rollouts.py): impossible values first, then a wrong model, tokenizer or ids,
+then top-k renormalisation, a constant offset, temperature, and none for noise."""
 
 from __future__ import annotations
 
@@ -24,8 +25,19 @@ def _case():
     return logits, tokens, labels, trainer, mask, valid
 
 
-def _named(rollout, trainer, mask, tokens, valid, logits):
-    return causes(rollout, trainer, mask, tokens, valid, lambda: logits)
+def _named(rollout, trainer, mask, tokens, valid, logits, hf="ckpt"):
+    return causes(rollout, trainer, mask, tokens, valid, lambda: logits, hf)
+
+
+def _wrong_ids(logits, tokens, mask):
+    """The engine's own view of its sampled tokens (about 0.5 each), on ids the trainer finds in its far tail:
+    each position's least likely token."""
+    labels = logits.argmin(-1)
+    tokens = labels.roll(1, dims=1)
+    trainer = logits.log_softmax(-1).gather(2, labels[..., None]).squeeze(2)
+    engine = torch.full_like(trainer, -0.7) + 0.1 * torch.rand(trainer.shape, generator=torch.Generator().manual_seed(3),
+                                                                dtype=torch.float64)
+    return tokens, trainer, engine
 
 
 def test_top_k_renormalisation_is_named():
@@ -101,3 +113,46 @@ def test_without_logits_an_excess_is_named_without_choosing():
     excess = torch.rand(trainer.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     found = _named(trainer + excess, trainer, mask, tokens, valid, None)
     assert found and "renormalisation or a temperature below 1" in found[0]
+
+
+@pytest.mark.parametrize("value", (float("nan"), -float("inf")))
+def test_a_non_finite_logprob_is_impossible(value):
+    """A NaN or -inf sampled token's logprob was left out of the causes' fit silently (a constant offset named)."""
+    logits, tokens, _, trainer, mask, valid = _case()
+    rollout = trainer + 0.25
+    rollout[1, 7] = value
+    found = _named(rollout, trainer, mask, tokens, valid, logits)
+    assert found == [found[0]] and found[0].startswith("impossible logprobs: 1 of the rollout's 21 not finite "
+                                                       f"(the first {value} at seq 1 pos 7)"), found
+
+
+@pytest.mark.parametrize("with_logits", (True, False))
+def test_ids_the_trainer_finds_improbable_are_a_wrong_model_not_sampling(with_logits):
+    """Without logits, every rollout logprob above the trainer's was called "top-p/top-k renormalisation or a
+    temperature below 1"."""
+    logits, _, _, _, mask, valid = _case()
+    tokens, trainer, engine = _wrong_ids(logits, None, mask)
+    found = _named(engine, trainer, mask, tokens, valid, logits if with_logits else None)
+    assert len(found) == 1 and found[0].startswith("wrong model, tokenizer or ids: 21 of the 21 sampled tokens are "
+                                                   "improbable to the trainer (probability below 0.0001"), found
+    assert "is --hf ckpt the checkpoint the engine ran" in found[0]
+    without = _named(engine, trainer, mask, tokens, valid, None, hf=None)[0]
+    assert "the dump ran without --hf (seeded weights unless --load): run megalign forward --hf CKPT" in without
+
+
+def test_a_few_improbable_ids_leave_the_temperature_named():
+    """Two of 21 tokens with ids the trainer finds improbable (as "\ufffd" bytes read as one id make them): the
+    temperature still explains the other 19, and the two are named by their place. Their gap hid the
+    temperature (no cause named)."""
+    logits, tokens, labels, trainer, mask, valid = _case()
+    rollout = (logits / 0.7).log_softmax(-1).gather(2, labels[..., None]).squeeze(2)
+    for sequence, position in ((0, 6), (2, 9)):
+        wrong = int(logits[sequence, position].argmin())
+        tokens[sequence, position + 1] = wrong
+        trainer[sequence, position] = logits[sequence, position].log_softmax(-1)[wrong]
+        rollout[sequence, position] = -0.1
+    found = _named(rollout, trainer, mask, tokens, valid, logits)
+    assert len(found) == 2 and found[0].startswith("temperature-scaled rollout"), found
+    assert "T ≈ 0.700" in found[0]
+    assert found[1].startswith("2 of the 21 sampled tokens are improbable to the trainer"), found
+    assert "seq 0 pos 6 token" in found[1] and "seq 2 pos 9 token" in found[1]

@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 from conftest import error_line, invoke
 from real_checkpoint import build
-from rollout_engine import TEMPERATURE, generate, jsonl, write_all
+from rollout_engine import TEMPERATURE, UFFFD_AT, generate, jsonl, write_all
 
 from megalign.cli.run import parse_run
 from megalign.rollouts.formats import FORMATS as ROLLOUT_FORMATS
@@ -107,6 +107,61 @@ def test_shift_twin_is_named(rollouts, trainer, tmp_path):
     assert result.exit_code == 1, result.output
     assert "cause: logprobs shifted by one position" in result.output
     assert "temperature" not in result.output
+
+
+@pytest.fixture(scope="session")
+def own_trainer(rollouts, dump):
+    """`own_trainer(name, *filter)`: the fp32 transformers run of that twin's own tokens, once."""
+    checkpoint, files = rollouts
+    return lambda name, *dumped: dump("forward", "--stack", "hf", "--hf", checkpoint, "--rollout", files[name],
+                                      *(dumped or DUMPED))
+
+
+def causes_said(result) -> list[str]:
+    return [line for line in result.output.splitlines() if line.startswith("cause:")]
+
+
+@pytest.mark.parametrize("dumped", (DUMPED, ("--filter", "^logprobs$")))
+def test_ids_of_another_tokenizer_are_a_wrong_model_not_sampling(rollouts, own_trainer, tmp_path, dumped):
+    """The engine's raw logprobs on ids shifted by one in the vocabulary (another tokenizer's numbering), against the
+    trainer run on those ids: the sampled tokens are improbable to the trainer (around 1e-7), which no sampling
+    setting explains. Without the logits in the dump it was "top-p/top-k renormalisation or a temperature below 1";
+    with them, none."""
+    _, files = rollouts
+    result, rows = compare(tmp_path, files["twin-wrong-ids.jsonl"], own_trainer("twin-wrong-ids.jsonl", *dumped))
+    assert result.exit_code == 1 and rows["logprobs"]["status"] == "fail", result.output
+    said = causes_said(result)
+    assert len(said) == 1 and said[0].startswith("cause: wrong model, tokenizer or ids: "), result.output
+    assert "of the 32 sampled tokens are improbable to the trainer" in said[0]
+    assert "renormalisation" not in result.output and "temperature" not in result.output
+
+
+def test_a_few_ids_read_from_replacement_bytes_leave_the_temperature_named(rollouts, own_trainer, tmp_path):
+    """SGLang's output logprobs at T = 0.7 with two of the 32 ids the "\ufffd" token's (as vLLM's bytes for a piece
+    of a UTF-8 character read back): the tokens before them are still a temperature of 0.7, and they are named by
+    their place. Their gap hid the temperature: no cause was named."""
+    _, files = rollouts
+    name = "twin-temperature-ufffd.json"
+    result, rows = compare(tmp_path, files[name], own_trainer(name))
+    assert result.exit_code == 1 and rows["logprobs"]["status"] == "fail", result.output
+    said = causes_said(result)
+    assert len(said) == 2 and said[0].startswith("cause: temperature-scaled rollout"), result.output
+    assert abs(float(said[0].split("T ≈ ")[1].split()[0]) - TEMPERATURE) < 1e-3
+    # The third: the token after the wrong id in sequence 0, improbable to the trainer in the wrong id's context.
+    assert said[1].startswith("cause: 3 of the 32 sampled tokens are improbable to the trainer"), said[1]
+    content = json.loads(files[name].read_text())
+    for sample, k in UFFFD_AT:  # response token k sits at position prompt + k, predicted at the position before
+        position = content[sample]["meta_info"]["prompt_tokens"] + k - 1
+        assert f"seq {sample} pos {position} token 24211:" in said[1], said[1]
+
+
+def test_a_rollout_without_hf_is_told_to_pass_it(rollouts, tmp_path):
+    """A real model's ids against the default tiny model (a vocabulary of 128): the refusal says to pass --hf."""
+    _, files = rollouts
+    result = invoke("forward", "--rollout", files["rollout.jsonl"], "--out", tmp_path / "o")
+    assert result.exit_code == 2, result.output
+    line = error_line(result)
+    assert "outside the vocabulary [0, 128)" in line and "pass --hf CHECKPOINT, the checkpoint the engine ran" in line
 
 
 def test_reference_finds_no_side_off(rollouts, trainer, reference, tmp_path):
