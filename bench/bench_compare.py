@@ -66,7 +66,7 @@ print(time.perf_counter() - start)
 _COMPARE = """
 import os, sys, time
 from pathlib import Path
-from megalign.compare.verdict import compare_sources
+from megalign.compare.pipeline import compare_sources
 from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
 from megalign.compare.fused import load_kernels

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,19 +10,18 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from megalign.compare.explain import explain
-from megalign.compare.metrics import TensorMetrics
 from megalign.compare.outputs import Output, check_outputs, write_replacing
 from megalign.compare.report import is_report, write_jsonl
 from megalign.compare.rollout_findings import find, is_worst_file, write_worst
 from megalign.compare.rollout_pair import open_pair
 from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
-from megalign.compare.verdict import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
-                                                SKIPPED, UNVERIFIABLE, Report, Row, compare_sources)
-from megalign.dump.format import Kind
+from megalign.compare.pipeline import compare_sources
+from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, SKIPPED,
+                                      UNVERIFIABLE, Row, Span)
 from megalign.errors import UserError
 from megalign.cli.rollout import print_rollout
-from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, plural, print_table, reader_may_leave,
+from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, print_table, reader_may_leave,
                                  resolve_format, shown, use_color)
 
 _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ONLY_A: "yellow", ONLY_B: "yellow",
@@ -166,12 +164,14 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
             if source is not None:
                 console.print(f"[bold]{side}[/] {shown(str(path))}: {shown(source.description)}"
                               + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
-        _print_dtypes(report)
+        for line in report.dtype_lines():
+            console.print(line, highlight=False, soft_wrap=True)
         console.print()
         print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
                     resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
         console.print()
-        _print_summary(report, judging)
+        for line in report.summary_lines():
+            console.print(_markup(line), highlight=False, soft_wrap=True)
         if findings:
             print_rollout(findings, judging.fmt)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
@@ -218,112 +218,13 @@ COLUMNS = (Column("#", right=True), Column("kind"), Column("name", wraps=True), 
 NARROWING = (("note", FOLD), ("note", DROP), ("thr", DROP), ("name", 40), ("max abs diff @ index", FOLD),
              ("status", FOLD), ("shape", FOLD), ("name", FOLD))
 
-_KIND_LABEL = {Kind.ACTIVATION: "act", Kind.ACTIVATION_GRAD: "act_grad"}
-
-
 def _cells(row: Row, first: bool) -> list[Cell]:
-    status = row.status.upper() + (" ◀ first" if first else "")
-    texts = [str(row.index), _KIND_LABEL.get(row.kind, row.kind), row.name, _shape(row), *_metric_cells(row),
-             "ref" if row.reference else _num(row.threshold)]
-    return [*map(Cell, texts), Cell(status, _STATUS_STYLE[row.status]), Cell("; ".join(_notes(row)))]
+    """Row.cells, the status in its colour."""
+    texts = row.cells(first)
+    return [Cell(text, _STATUS_STYLE[row.status] if column.header == "status" else None)
+            for column, text in zip(COLUMNS, texts)]
 
 
-def _shape(row: Row) -> str:
-    def text(shape: list[int]) -> str:
-        return "x".join(map(str, shape)) if shape else "scalar"
-
-    if row.shape_a is not None and row.shape_b is not None and row.shape_a != row.shape_b:
-        return f"{text(row.shape_a)} vs {text(row.shape_b)}"
-    return text(row.shape_a if row.shape_a is not None else row.shape_b)
-
-
-def _metric_cells(row: Row) -> list[str]:
-    m = row.metrics
-    if m is None:
-        return ["", ""]
-    if isinstance(m, TensorMetrics):
-        at = f" @{','.join(map(str, m.max_abs_index))}" if m.max_abs_index and m.max_abs_diff > 0 else ""
-        return [_num(m.rel_diff), _num(m.max_abs_diff) + at]
-    return [_num(m.rel_diff), ""]
-
-
-def _notes(row: Row) -> list[str]:
-    notes = list(row.notes)
-    if row.reference is not None:
-        ref = row.reference
-        off = f"{ref.off} off: " if ref.off else ""
-        notes.append(f"{off}rel to reference A {ref.rel_a:.3g}, B {ref.rel_b:.3g}")
-    if row.logprobs is not None:
-        lp = row.logprobs
-        token = f", token {lp.worst_token}" if lp.worst_token is not None else ""
-        notes.append(f"|Δlogprob| max {lp.max_abs_diff:.3g} mean {lp.mean_abs_diff:.3g} p99 {lp.p99_abs_diff:.3g} "
-                     f"(seq {lp.worst_sequence} pos {lp.worst_position}{token}); k3 KL {lp.k3_kl:.3g}; "
-                     f"p_B/p_A p1 {lp.ratio_p1:.6g} p50 {lp.ratio_p50:.6g} p99 {lp.ratio_p99:.6g}; "
-                     f"|Δ|>0.1 {lp.frac_over_0_1:.2%} >1 {lp.frac_over_1:.2%} of {lp.tokens} tokens")
-        if lp.outside_max_abs_diff is not None and row.failing:  # on a passing row, noise: in --json only
-            token = f", token {lp.outside_token}" if lp.outside_token is not None else ""
-            notes.append(f"outside the loss mask |Δlogprob| max {lp.outside_max_abs_diff:.3g} "
-                         f"(seq {lp.outside_sequence} pos {lp.outside_position}{token})")
-    if row.metrics is not None and not isinstance(row.metrics, TensorMetrics):
-        notes.append("stats only: norm/mean/std")
-    return notes
-
-
-def _num(value: Optional[float]) -> str:
-    return "" if value is None else f"{value:.3g}"
-
-
-def _print_dtypes(report: Report) -> None:
-    """Tensors stored in other dtypes on each side: said once, not on each of their rows."""
-    pairs = collections.Counter((row.dtype_a, row.dtype_b) for row in report.rows if row.dtype_mismatch)
-    for (dtype_a, dtype_b), count in pairs.items():
-        console.print(f"dtype A {dtype_a} vs B {dtype_b} ({plural(count, 'tensor')}), compared in float64",
-                      highlight=False, soft_wrap=True)
-
-
-def _print_summary(report: Report, judging: Judging) -> None:
-    s = report.summary
-    parts = [f"{s.compared} compared", f"[green]{s.passed} passed[/]",
-             f"[{'bold red' if s.failed else 'green'}]{s.failed} failed[/]"]
-    if s.shape_mismatch:
-        parts.append(f"[bold red]{s.shape_mismatch} shape mismatch[/]")
-    if s.missing_a or s.missing_b:
-        parts.append(f"[bold red]{s.missing_a + s.missing_b} missing[/] (only in A {s.missing_a}, only in B "
-                     f"{s.missing_b})")
-    allowed = s.allowed_by_op_map + s.allowed_by_pattern
-    if allowed:
-        by = ([f"{s.allowed_by_op_map} by the cross-stack op map"] if s.allowed_by_op_map else []) + \
-             ([f"{s.allowed_by_pattern} by --allow-missing {shown(repr(judging.allow_missing))}"]
-              if s.allowed_by_pattern else [])
-        parts.append(f"[yellow]{allowed} only in one side allowed[/]: {' and '.join(by)}")
-    if s.not_reassemblable:
-        parts.append(f"[bold magenta]{s.not_reassemblable} not reassemblable[/]")
-    if s.skipped:
-        parts.append(f"[magenta]{s.skipped} skipped[/] (not reassemblable, allowed by --allow-skipped "
-                     f"{shown(repr(judging.allow_skipped))})")
-    if s.unverifiable:
-        names = ", ".join(f"{row.kind} {row.name}" for row in report.rows if row.status == UNVERIFIABLE)
-        parts.append(f"[yellow]{s.unverifiable} unverifiable[/] ({shown(names)}: what the values stand for is not "
-                     "recorded; no divergence)")
-    if s.apart:
-        parts.append(f"[yellow]{s.apart} not lined up[/] (positions, attention weights or tokens of "
-                     "unrecorded rows, in differently packed or padded batches: see the notes)")
-    console.print(", ".join(parts), highlight=False, soft_wrap=True)
-    if s.nonfinite_in_both:
-        verdict = "failed (--strict-nonfinite)" if judging.strict_nonfinite else "not failed"
-        console.print(f"[bold yellow]NaN/Inf in both:[/] {shown(', '.join(s.nonfinite_in_both))} ({verdict})",
-                      highlight=False, soft_wrap=True)
-    for whole in s.rescaled + [pool for pool in s.small_scale if pool.off]:
-        console.print(f"[bold red]rescaled:[/] {shown(whole.note())}", highlight=False, soft_wrap=True)
-    for pool in s.small_scale:
-        if not pool.off:
-            console.print(f"[yellow]scale unverified:[/] {shown(pool.note())}", highlight=False, soft_wrap=True)
-    if s.first_routing_flip:
-        console.print(f"[bold red]routing flip:[/] {shown(s.first_routing_flip)}: the tensors after it see other "
-                      "experts", highlight=False, soft_wrap=True)
-    if s.first_divergence:
-        console.print(f"[bold red]first divergence:[/] {shown(s.first_divergence)}", highlight=False, soft_wrap=True)
-        per_kind = "; ".join(f"{kind} {name}" for kind, name in s.first_failure_by_kind.items())
-        console.print(f"first failure per kind: {shown(per_kind)}", highlight=False, soft_wrap=True)
-    else:
-        console.print("[green]all compared tensors within threshold[/]", highlight=False, soft_wrap=True)
+def _markup(line: list[Span]) -> str:
+    """A line of spans as rich markup, the text of each shown as written."""
+    return "".join(f"[{style}]{shown(text)}[/]" if style else shown(text) for text, style in line)

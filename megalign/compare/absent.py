@@ -2,7 +2,7 @@
 
 Stacks and attention kernels expose different submodules; REASONS (the op map between HF and
 megatron-core and their attention kernels) are the ones megalign knows, and a tensor they name may
-be on one side only. Any other tensor on one side only fails the comparison (verdict.py), unless
+be on one side only. Any other tensor on one side only fails the comparison (judge.py), unless
 --allow-missing names it; a whole kind missing on the other side is said in its note.
 """
 

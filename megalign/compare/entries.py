@@ -27,7 +27,7 @@ PHASES = {Kind.PARAM: -1, Kind.ACTIVATION_GRAD: 1, Kind.PARAM_GRAD: 2}
 @dataclass
 class ReplicaGap:
     """How far one rank's copy of values is from the copy placed (another rank's): the sums of the
-    pair (fused.py), judged by verdict.py at the tensor's threshold. Bit-identical copies (equal
+    pair (fused.py), judged by judge.py at the tensor's threshold. Bit-identical copies (equal
     content hashes) are never read and have no gap."""
 
     ranks: str  # "rank 1 vs rank 0": the copy's rank, then the placed one's
@@ -50,7 +50,7 @@ class Value:
     parts: Optional[torch.Tensor] = None  # with `unverifiable`: each rank's value, stacked on dim 0
 
     def add_replicas(self, window: "Value") -> None:
-        """Merge the replica gaps of a window of rows into the whole's (verdict._Comparison._chunk)."""
+        """Merge the replica gaps of a window of rows into the whole's (execution.Execution._chunk)."""
         mine = {gap.ranks: gap for gap in self.replicas}
         for gap in window.replicas:
             if gap.ranks in mine:

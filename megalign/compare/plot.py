@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from megalign.compare.verdict import Report  # noqa: E402
+from megalign.compare.records import Report  # noqa: E402
 from megalign.dump.format import Kind  # noqa: E402
 
 SERIES = ((Kind.ACTIVATION, "activations"), (Kind.ACTIVATION_GRAD, "activation grads"),

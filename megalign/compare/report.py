@@ -22,9 +22,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.compare.metrics import StatsMetrics
 from megalign.compare.rollout_findings import RolloutFindings
-from megalign.compare.verdict import Report, Row
+from megalign.compare.records import Report
 
 
 # How much of each end of a file is_report reads. A tensor record is under 2 KiB; the summary lists a name per
@@ -32,32 +31,20 @@ from megalign.compare.verdict import Report, Row
 END_BYTES = 16 << 20
 
 
-def row_record(row: Row, first_divergence: bool) -> dict:
-    record = {"record": "tensor", **dataclasses.asdict(row), "first_divergence": first_divergence}
-    record["order"] = record.pop("index")  # position in execution order
-    if row.metrics is not None:
-        record["metrics"] = {"mode": "stats" if isinstance(row.metrics, StatsMetrics) else "values",
-                             **dataclasses.asdict(row.metrics)}
-    return record
-
-
-def summary_record(report: Report, rollout: Optional[RolloutFindings] = None) -> dict:
-    record = {"record": "summary",
-              **{side: {"path": str(s.path), "format": s.format, "description": s.description}
-                 for side, s in (("a", report.a), ("b", report.b))},
-              **dataclasses.asdict(report.summary), "ok": report.summary.ok}
+def records(report: Report, rollout: Optional[RolloutFindings] = None) -> list[dict]:
+    """The report's records (Report.json), the summary's with a rollout's findings where one was compared."""
+    found = report.json()
     if rollout is not None:
         findings = dataclasses.asdict(rollout)
         del findings["gaps"]  # one per sequence: the worst are what a reader wants, --export-worst the rest
-        record["rollout"] = findings
-    return record
+        found[-1]["rollout"] = findings
+    return found
 
 
 def write_jsonl(report: Report, path: Path, rollout: Optional[RolloutFindings] = None) -> None:
     with open(path, "w") as out:
-        for row in report.rows:
-            out.write(json.dumps(_strict(row_record(row, row.index == report.first_divergence))) + "\n")
-        out.write(json.dumps(_strict(summary_record(report, rollout))) + "\n")
+        for record in records(report, rollout):
+            out.write(json.dumps(_strict(record)) + "\n")
 
 
 def is_report(path: Path) -> bool:

@@ -17,7 +17,7 @@ from megalign.compare.metrics import logprob_gap
 from megalign.compare.rollout_causes import SequenceGap, causes, sequence_gaps, worst
 from megalign.compare.rollout_pair import RolloutPair
 from megalign.compare.rollout_where import Region, regions
-from megalign.compare.verdict import Report
+from megalign.compare.records import Report
 from megalign.errors import UserError, read_user_text
 
 

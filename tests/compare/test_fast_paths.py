@@ -15,12 +15,15 @@ from safetensors.torch import load_file
 
 import megalign
 
-from megalign.compare import fused, verdict
+from megalign.compare import execution, fused
 from megalign.compare.buffers import SMALLEST, BufferPool
+from megalign.compare.judge import Rules
+from megalign.compare.matching import match_entries
 from megalign.compare.metrics import metrics_of, pair_sums, tensor_metrics
+from megalign.compare.pipeline import compare_sources
+from megalign.compare.records import FAIL, PASS
 from megalign.compare.sources import open_source
 from megalign.compare.thresholds import Thresholds
-from megalign.compare.verdict import compare_sources
 from megalign.dump import writer as writer_module
 from megalign.dump.format import RankCoords
 from megalign.dump.sharding import Sharding
@@ -144,9 +147,9 @@ def compare(a, b):
 @pytest.mark.parametrize("window", [3000, 200])
 def test_pairs_streamed_a_few_rows_at_a_time_get_the_metrics_of_the_whole(dump, monkeypatch, layout, window):
     whole = compare(dump(*CP1), dump(*layout))
-    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)  # every tensor of a megalign dump is streamed
-    monkeypatch.setattr(verdict, "WINDOW_BYTES", window)  # windows cut CP halves and TP shards
-    monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 2)  # chunks of two windows, taken by the workers apart
+    monkeypatch.setattr(execution, "STREAM_BYTES", 1)  # every tensor of a megalign dump is streamed
+    monkeypatch.setattr(execution, "WINDOW_BYTES", window)  # windows cut CP halves and TP shards
+    monkeypatch.setattr(execution, "CHUNK_WINDOWS", 2)  # chunks of two windows, taken by the workers apart
     streamed = compare(dump(*CP1), dump(*layout))
     assert [r.status for r in streamed.rows] == [r.status for r in whole.rows]
     for s, w in zip(streamed.rows, whole.rows):
@@ -169,19 +172,19 @@ def test_a_big_pair_in_chunks_gets_the_sums_of_the_whole_and_the_first_worst_pos
     x[3900, 5] = x[3950, 7] = 0.0
     y = x.clone()
     y[3900, 5] = y[3950, 7] = 1.0  # in the last chunks, exactly as far off
-    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)
-    monkeypatch.setattr(verdict, "WINDOW_BYTES", 4 * 64 * 10)  # 10 rows a window, 20 a chunk: 200 chunks
-    monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 2)
+    monkeypatch.setattr(execution, "STREAM_BYTES", 1)
+    monkeypatch.setattr(execution, "WINDOW_BYTES", 4 * 64 * 10)  # 10 rows a window, 20 a chunk: 200 chunks
+    monkeypatch.setattr(execution, "CHUNK_WINDOWS", 2)
     a, b = _one_tensor_dump(tmp_path / "a", x), _one_tensor_dump(tmp_path / "b", y)
-    comparison = verdict._Comparison(a, b, Thresholds(), None, verdict.match_entries(a, b), None, False)
-    assert len(comparison._chunks(comparison.pairs[0])) == 200
+    comparison = execution.Execution(a, b, match_entries(a, b), Rules(Thresholds()))
+    assert len(comparison.chunks(comparison.pairs[0])) == 200
     (row,) = compare_sources(a, b, Thresholds(), workers=4).rows
     want = reference(x, y)
     assert want["index"] == 3900 * 64 + 5
-    assert row.status == verdict.FAIL and row.metrics.max_abs_index == [3900, 5]
+    assert row.status == FAIL and row.metrics.max_abs_index == [3900, 5]
     assert math.isclose(row.metrics.rel_diff, want["rel_diff"], rel_tol=1e-9)
     (same,) = compare_sources(a, _one_tensor_dump(tmp_path / "c", x.clone()), Thresholds(), workers=4).rows
-    assert same.status == verdict.PASS and same.metrics.max_abs_diff == 0
+    assert same.status == PASS and same.metrics.max_abs_diff == 0
 
 
 def test_a_pair_whose_rows_are_larger_than_a_window_is_read_in_boxes_of_a_deeper_dim(tmp_path, monkeypatch):
@@ -191,23 +194,23 @@ def test_a_pair_whose_rows_are_larger_than_a_window_is_read_in_boxes_of_a_deeper
     x = torch.randn(2, 8, 6, 6, generator=torch.Generator().manual_seed(1))
     y = x.clone()
     y[1, 7, 5, 4] += 1.0
-    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)
-    monkeypatch.setattr(verdict, "WINDOW_BYTES", 4 * 36 * 4)  # four heads' [6, 6]
-    monkeypatch.setattr(verdict, "CHUNK_WINDOWS", 1)
+    monkeypatch.setattr(execution, "STREAM_BYTES", 1)
+    monkeypatch.setattr(execution, "WINDOW_BYTES", 4 * 36 * 4)  # four heads' [6, 6]
+    monkeypatch.setattr(execution, "CHUNK_WINDOWS", 1)
     a, b = _one_tensor_dump(tmp_path / "a", x), _one_tensor_dump(tmp_path / "b", y)
-    comparison = verdict._Comparison(a, b, Thresholds(), None, verdict.match_entries(a, b), None, False)
-    assert comparison._windows(comparison.pairs[0]) == [((0, 1), (0, 4)), ((0, 1), (4, 8)), ((1, 2), (0, 4)),
+    comparison = execution.Execution(a, b, match_entries(a, b), Rules(Thresholds()))
+    assert comparison.windows(comparison.pairs[0]) == [((0, 1), (0, 4)), ((0, 1), (4, 8)), ((1, 2), (0, 4)),
                                                         ((1, 2), (4, 8))]
-    assert comparison._lease_bytes(comparison.pairs[0]) == 2 * 4 * 36 * 4
+    assert comparison.lease_bytes(comparison.pairs[0]) == 2 * 4 * 36 * 4
     (row,) = compare_sources(a, b, Thresholds(), workers=3).rows
-    assert row.status == verdict.FAIL and row.metrics.max_abs_index == [1, 7, 5, 4]
+    assert row.status == FAIL and row.metrics.max_abs_index == [1, 7, 5, 4]
     assert math.isclose(row.metrics.rel_diff, reference(x, y)["rel_diff"], rel_tol=1e-9)
 
 
 def test_a_divergence_is_caught_when_streamed(dump, monkeypatch):
     """Twin: CP=2 with the loss divided by the local token count fails streamed as it does whole."""
-    monkeypatch.setattr(verdict, "STREAM_BYTES", 1)
-    monkeypatch.setattr(verdict, "WINDOW_BYTES", 3000)
+    monkeypatch.setattr(execution, "STREAM_BYTES", 1)
+    monkeypatch.setattr(execution, "WINDOW_BYTES", 3000)
     report = compare(dump(*CP1), dump(*CP2_LOCAL))
     assert not report.summary.ok and report.summary.first_failure_by_kind.get("param_grad")
 

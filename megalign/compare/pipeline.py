@@ -1,0 +1,92 @@
+"""Compare two sources tensor by tensor, stage after stage: the steps they share, their batches lined up
+token by token, their tensors matched, each pair read and judged, the kinds judged as a whole, the report.
+
+The sources come opened (sources.open_source, rollout_pair.open_pair); each stage is a module of its
+own: steps.py, lineup.py, matching.py, execution.py (reading on a thread pool), judge.py, records.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import torch
+
+from megalign.compare.entries import Source
+from megalign.compare.execution import Execution
+from megalign.compare.judge import Rules, judge_kinds
+from megalign.compare.lineup import line_up
+from megalign.compare.matching import Pair, match_entries
+from megalign.compare.records import NOT_REASSEMBLABLE, SKIPPED, Allowances, Report, Row, Summary
+from megalign.compare.reference import check_reference
+from megalign.compare.steps import share_steps
+from megalign.compare.thresholds import Thresholds
+from megalign.errors import UserError, compile_pattern
+
+
+class NothingCompared(UserError):
+    """A comparison that compared no tensor proves nothing: exit 2, with the reason."""
+
+
+def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
+                    workers: Optional[int] = None, allow_skipped: Optional[str] = None,
+                    reference: Optional[Source] = None, allow_missing: Optional[str] = None,
+                    strict_nonfinite: bool = False) -> Report:
+    """Compare every tensor of the two sources; NothingCompared when not one pair was compared.
+    With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds.
+    `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
+    a, b, reference = share_steps(a, b, reference)  # a training loop's dumps: the steps all hold
+    a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
+    pattern, skippable, missable = (compile_pattern(option, value) if value else None for option, value in
+                                    (("--filter", name_filter), ("--allow-skipped", allow_skipped),
+                                     ("--allow-missing", allow_missing)))
+    pairs = _chosen(match_entries(a, b), pattern, name_filter)
+    if reference is not None:
+        check_reference(reference, a, b)
+    rules = Rules(thresholds, run_a=a.precision, run_b=b.precision, strict_nonfinite=strict_nonfinite,
+                  tokens=_input(a, b, "tokens"), loss_mask=_input(a, b, "loss_mask"))
+    rows = Execution(a, b, pairs, rules, reference, missable).rows(workers or os.cpu_count() or 1)
+    _skip(rows, skippable)
+    rescaled, small = judge_kinds(rows)
+    first = next((row.index for row in rows if row.failing), None)
+    report = Report(a=a, b=b, rows=rows, summary=Summary.of(rows, first, rescaled, small), first_divergence=first,
+                    allowances=Allowances(allow_skipped, allow_missing, strict_nonfinite))
+    _check_something_compared(report)
+    return report
+
+
+def _chosen(matched: list[Pair], pattern: Optional[re.Pattern], name_filter: Optional[str]) -> list[Pair]:
+    """The pairs --filter (`name_filter`, compiled to `pattern`) names: none at all is bad input."""
+    pairs = [p for p in matched if pattern is None or pattern.search(p.name)]
+    if not matched:
+        raise NothingCompared("A and B hold no tensor: nothing compared")
+    if not pairs:
+        raise NothingCompared(f"--filter {name_filter!r} matches none of the {len(matched)} tensors: nothing compared")
+    return pairs
+
+
+def _input(a: Source, b: Source, name: str) -> Optional[torch.Tensor]:
+    for source in (a, b):
+        for entry in source.entries:
+            if entry.kind == "input" and entry.name == name:
+                return entry.load().tensor
+    return None
+
+
+def _skip(rows: list[Row], skippable: Optional[re.Pattern]) -> None:
+    """--allow-skipped: what it names and could not be put together is skipped, not failed."""
+    for row in rows:
+        if row.status == NOT_REASSEMBLABLE and skippable is not None and skippable.search(row.name):
+            row.status = SKIPPED
+
+
+def _check_something_compared(report: Report) -> None:
+    s = report.summary
+    if s.compared or s.shape_mismatch or s.not_reassemblable:
+        return  # a shape mismatch or an unreassemblable tensor is a verdict (exit 1), not bad input
+    if s.skipped:
+        raise NothingCompared(f"every shared tensor ({s.skipped}) is not reassemblable and allowed by "
+                              "--allow-skipped: nothing compared")
+    raise NothingCompared(f"A and B share no tensor ({s.only_a} only in A, {s.only_b} only in B): nothing compared; "
+                          "are they runs of the same model?")
