@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megalign.dump.coverage import check_coverage, have_gradients
-from megalign.dump.dumper import Dumper
+from megalign.capture.coverage import check_coverage, have_gradients
+from megalign.capture.dumper import Dumper
 from megalign.dump.format import layer_of
 from megalign.dump.meta import package_version
 from megalign.dump.sharding import Sharding

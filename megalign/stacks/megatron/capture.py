@@ -1,5 +1,5 @@
 """Forward hooks that dump every module's output and its gradient, through megalign.Dumper's
-`add_output` with the sharding that dump/megatron_outputs.py infers (the same rules, and the same
+`add_output` with the sharding that capture/megatron_outputs.py infers (the same rules, and the same
 recording, as `Dumper.watch` on a user's megatron-core model). What only megalign's runs add: global
 names under PP and EP, the logits as their own kind, and the MoE routers' decisions (kind routing).
 """
@@ -12,9 +12,9 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from megalign.dump.dumper import Dumper
-from megalign.dump.megatron_names import another_stage_dumps, global_name
-from megalign.dump.megatron_outputs import INPUT_CAPTURED, LocalShape, View, input_sharding, output_sharding, \
+from megalign.capture.dumper import Dumper
+from megalign.capture.megatron_names import another_stage_dumps, global_name
+from megalign.capture.megatron_outputs import INPUT_CAPTURED, LocalShape, View, input_sharding, output_sharding, \
     without_layout
 from megalign.dump.sharding import Sharding
 from megalign.spec import ModelConfig

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from megalign.dump.format import RankCoords
 from megalign.dump.layout import BatchRow, cp_positions, cp_split_bounds, dp_rows
-from megalign.dump.megatron_names import global_name
+from megalign.capture.megatron_names import global_name
 from megalign.spec import RunSpec
 
 

@@ -40,21 +40,21 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megalign.dump.coverage import collective_device, read_grad
-from megalign.dump.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
+from megalign.capture.coverage import collective_device, read_grad
+from megalign.capture.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
                                      megatron_state, sharded)
-from megalign.dump.dtensor import is_dtensor, local_piece
+from megalign.capture.dtensor import is_dtensor, local_piece
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
-from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
+from megalign.capture.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
                                             output_sharding, packed_row, without_layout)
-from megalign.dump.megatron_names import another_stage_dumps, global_name, is_duplicate_embedding
+from megalign.capture.megatron_names import another_stage_dumps, global_name, is_duplicate_embedding
 from megalign.dump.meta import dump_meta
-from megalign.dump.rows import RowLog, rows_meta
+from megalign.capture.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
-from megalign.dump.steps import Steps, choose_steps
+from megalign.capture.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter, check_storable
 from megalign.errors import UserError
 

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from megalign.dump.ddp_grads import megatron_state
+from megalign.capture.ddp_grads import megatron_state
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?=\.|$)")

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megalign.dump.coverage import have_gradients
+from megalign.capture.coverage import have_gradients
 
 
 def megatron_state() -> Optional[object]:
