@@ -18,7 +18,7 @@ from typing import Literal, Optional
 import yaml
 
 from megalign.dump.layout import Layout  # noqa: F401 (the run's layout: RunSpec.layout; re-exported)
-from megalign.errors import UserError, read_user_text
+from megalign.errors import UserError, is_int, read_user_text
 from megalign.options import (Attention, Batch, Dtype, GradSource, Launch, LossNorm, Mode, MoeDispatcher, Numerics,
                               Output, PackedSplit, Parallelism)
 
@@ -116,10 +116,9 @@ class ModelConfig:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                      "vocab_size", "max_position_embeddings"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
-        if self.kv_channels is not None and (not isinstance(self.kv_channels, int) or isinstance(self.kv_channels, bool)
-                                             or self.kv_channels <= 0):
+        if self.kv_channels is not None and (not is_int(self.kv_channels) or self.kv_channels <= 0):
             raise UserError(f"{source}: kv_channels must be a positive integer, got {self.kv_channels!r}")
         for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
             value = getattr(self, name)
@@ -148,7 +147,7 @@ class ModelConfig:
             return
         for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            if value is not None and (not is_int(value) or value <= 0):
                 raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
         if self.moe_router_topk > self.num_moe_experts:
             raise UserError(f"{source}: moe_router_topk={self.moe_router_topk} exceeds num_moe_experts="

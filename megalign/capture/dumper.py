@@ -19,7 +19,7 @@ megatron-core's parallel_state where it is initialised, otherwise every rank is 
 Steps: `step(n)` collects the parameter gradients (and, with `params=True`, the parameters) when its
 block ends; dump.json lists the steps written, and each rank's manifest marks where each step's
 records begin ("steps": [[n, first record], ...]). compare names a dump's tensors by step where it
-holds several (`step1/name`); `steps=` picks the steps written (dump/steps.py).
+holds several (`step1/name`); `steps=` picks the steps written (capture/steps.py).
 
 In a user's trainer, `Dumper.from_env()` is the one line: MEGALIGN_DUMP=DIR turns dumping on,
 MEGALIGN_DUMP_STEPS picks the steps; unset, a NullDumper that installs nothing.
@@ -230,7 +230,7 @@ class Dumper:
         A megatron-core model (GPTModel, or the megatron-core DDP wrapping it; its gradients are read
         where DDP leaves them) needs nothing declared: how each output is split under TP, sequence
         parallelism, CP and DP is inferred as megalign's own megatron worker infers it
-        (dump/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
+        (capture/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
         each forward call (this rank's share of the batch). The CP split read is megatron's zigzag
         (rank r holds chunks r and 2*CP-1-r of every sequence, as megatron.core.utils.
         get_batch_on_this_cp_rank gives them; another split would read as a divergence). Packed (THD)
@@ -252,7 +252,7 @@ class Dumper:
         right-padded; none: every token real), step by step, so that compare lines up runs padded or
         packed differently token by token (compare/lineup.py). Rows that cannot be recorded (a 4D or
         left-padded mask, DP ranks padded to different lengths) are dropped with a warning, never
-        raised mid-step (dump/rows.py). torch's DDP is unwrapped (names as the model's own; its
+        raised mid-step (capture/rows.py). torch's DDP is unwrapped (names as the model's own; its
         process_group must be the Dumper's DP group: `dp_group`); FSDP2 and tensor parallel's
         DTensors are placed by their placements. Pipeline stages (`dp_group`) keep the whole model's
         module names. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its

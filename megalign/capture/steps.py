@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
-from megalign.errors import UserError
+from megalign.errors import UserError, is_int
 
 Steps = Union[str, int, Iterable[int], "StepChoice", None]
 
@@ -73,7 +73,7 @@ def choose_steps(steps: Steps, where: str = "steps") -> StepChoice:
 
 def _step(n: object) -> bool:
     """An int >= 0 (a bool is no step)."""
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+    return is_int(n) and n >= 0
 
 
 def _whole(text: str) -> bool:

@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from megalign.dump.format import dtype_name
-from megalign.errors import UserError
+from megalign.errors import UserError, is_int
 
 # safetensors' dtype names, the ones torch reads.
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -175,11 +175,9 @@ def _entry(header: dict, key: str, data_size: int) -> tuple[torch.dtype, list[in
     dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise _Unreadable(f"tensor {key!r}: dtype {entry.get('dtype')!r}")
-    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                              for n in shape):
+    if not isinstance(shape, list) or not all(is_int(n) and n >= 0 for n in shape):
         raise _Unreadable(f"tensor {key!r}: shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) and not isinstance(n, bool)
-                                                                    for n in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_int, offsets))):
         raise _Unreadable(f"tensor {key!r}: data_offsets {offsets!r}")
     begin, end = offsets
     numel = 1

@@ -18,7 +18,7 @@ from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import MeshPlacement, Sharding
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import DTYPES as STORED_DTYPES
-from megalign.errors import UserError
+from megalign.errors import UserError, is_int
 
 # The dtypes a dump stores, by the names dtype_name() writes, and their sizes in bytes.
 DTYPES = {dtype_name(dtype): dtype.itemsize for dtype in STORED_DTYPES.values()}
@@ -30,7 +30,7 @@ class Malformed(UserError):
 
 
 def _int(value: Any, where: str, low: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+    if not is_int(value) or value < low:
         raise Malformed(f"{where} must be an integer >= {low}, got {value!r}")
     return value
 
