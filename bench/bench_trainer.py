@@ -37,8 +37,8 @@ from bench_run import positive  # bench/ is this script's own folder on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import megalign
-from megalign.dump.dumper import NullDumper
-from megalign.dump.steps import choose_steps
+from megalign.capture.dumper import NullDumper
+from megalign.capture.steps import choose_steps
 from megalign.errors import UserError
 
 # A model that takes a CPU seconds, and one that keeps a GPU busy for as long.

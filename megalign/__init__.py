@@ -3,7 +3,7 @@
 The Python API (everything else is internal):
 
     megalign.open(path)     a dump, read as `megalign compare` reads it (compare/opened.py)
-    megalign.Dumper(out)    write a megalign dump from any process (dump/dumper.py)
+    megalign.Dumper(out)    write a megalign dump from any process (capture/dumper.py)
     megalign.Sharding       how a tensor given to Dumper.add is split over ranks
 
 They are imported on first use: `import megalign` (and the CLI) stays free of torch.
@@ -12,7 +12,7 @@ They are imported on first use: `import megalign` (and the CLI) stays free of to
 __version__ = "0.1.0"
 __all__ = ["open", "Dumper", "Sharding"]
 
-_EXPORTS = {"open": "megalign.compare.opened", "Dumper": "megalign.dump.dumper",
+_EXPORTS = {"open": "megalign.compare.opened", "Dumper": "megalign.capture.dumper",
             "Sharding": "megalign.dump.sharding"}
 
 

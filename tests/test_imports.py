@@ -1,5 +1,5 @@
 """The package's imports run one way: cli -> run -> stacks -> capture -> dump, and cli -> compare -> dump;
-the public Python API (`megalign.open` in compare/opened.py, `megalign.Dumper` in dump/dumper.py) is
+the public Python API (`megalign.open` in compare/opened.py, `megalign.Dumper` in capture/dumper.py) is
 re-exported lazily by `megalign` itself.
 
 Every import statement of every module is read (function-local ones and those under TYPE_CHECKING too,

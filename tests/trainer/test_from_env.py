@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import megalign
-from megalign.dump.steps import StepChoice, choose_steps
+from megalign.capture.steps import StepChoice, choose_steps
 from megalign.errors import UserError
 from tests.conftest import invoke
 

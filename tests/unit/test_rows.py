@@ -1,4 +1,4 @@
-"""What dump.json records of a Dumper's rows (dump/rows.py), from every DP rank's log of its rows
+"""What dump.json records of a Dumper's rows (capture/rows.py), from every DP rank's log of its rows
 step by step: one `rows` where the steps agree, `step_rows` where they differ (dynamic padding), and
 `rows_unknown` with a warning where they cannot be recorded, never an error inside a hook; only a
 packed dump split per document over CP ranks, which cannot be put back together without its rows,
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from megalign.dump.layout import BatchRow
-from megalign.dump.rows import RowLog, rows_meta
+from megalign.capture.rows import RowLog, rows_meta
 from megalign.errors import UserError
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megalign.dump.coverage import check_coverage, have_gradients
-from megalign.dump.dumper import Dumper
+from megalign.capture.coverage import check_coverage, have_gradients
+from megalign.capture.dumper import Dumper
+from megalign.capture.hooks import Hooks
 from megalign.dump.format import PRECISION_DTYPES, layer_of
 from megalign.dump.meta import package_version
 from megalign.dump.sharding import Sharding
@@ -105,32 +106,28 @@ class HFCapture:
         # Outputs that come while a join waits for its parts (Qwen3's q_norm runs before k_proj) are
         # written after it, in megatron's order: the fused linear_qkv runs before the q/k norms.
         self.deferred: list[tuple] = []
-        self.handles = []
+        self.hooks = Hooks()
         for name, module in model.named_modules():
             router = _ROUTER.match(name) if moe else None
             if router:
-                self.handles.append(module.register_forward_hook(self._routing_hook(int(router.group(1)))))
+                self.hooks.after_call(module, self._routing_hook(int(router.group(1))))
                 continue
             if moe and _EXPERTS.match(name):
                 continue  # the experts, fused in one module: their tokens are permuted, as in megatron's
             rule = names.rule_for_hf_module(name)
             if not name or (rule is not None and rule.activation is None):
                 continue  # the root's output is the loss; lm_head's are the logits, written from the output
-            self.handles.append(module.register_forward_hook(self._hook(name, rule)))
+            self.hooks.on_outputs(module, name, self._hook(name, rule))
             takes = names.rule_for_hf_module(name, on="input")
             if takes is not None:
-                self.handles.append(module.register_forward_pre_hook(self._input_hook(name, takes)))
+                self.hooks.on_input(module, name, self._input_hook(name, takes))
 
     def _hook(self, name: str, rule: Rule | None):
-        def record(module, inputs, output):
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            for index, tensor in enumerate(outputs):
-                if not isinstance(tensor, torch.Tensor):
-                    continue
-                if rule is not None and index == 0:
-                    self._part(rule, name, tensor)
-                else:
-                    self._hf_only(f"{name}#{index}" if index else name, tensor)
+        def record(module, key, tensor, index):
+            if rule is not None and index == 0:
+                self._part(rule, name, tensor)
+            else:
+                self._hf_only(key, tensor)
 
         return record
 
@@ -146,8 +143,8 @@ class HFCapture:
         return record
 
     def _input_hook(self, name: str, rule: Rule):
-        def record(module, inputs):
-            self._part(rule, name, inputs[0])
+        def record(module, key, tensor):
+            self._part(rule, name, tensor)
 
         return record
 
@@ -176,8 +173,7 @@ class HFCapture:
         self.deferred = []
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        self.hooks.remove()
 
 
 def write_param_grads(model: torch.nn.Module, names: NameMap, dumper: Dumper, experts=None) -> dict:

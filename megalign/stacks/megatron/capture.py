@@ -1,21 +1,19 @@
-"""Forward hooks that dump every module's output and its gradient, through megalign.Dumper's
-`add_output` with the sharding that dump/megatron_outputs.py infers (the same rules, and the same
-recording, as `Dumper.watch` on a user's megatron-core model). What only megalign's runs add: global
-names under PP and EP, the logits as their own kind, and the MoE routers' decisions (kind routing).
+"""megalign's megatron worker's capture: every module's output and its gradient, through capture/'s
+walk of a megatron-core model (the Dumper's own on a user's model), with what only megalign's runs
+add: the logits as their own kind, batch-first and cut to the real vocabulary, and the MoE routers'
+decisions (kind routing).
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from megalign.dump.dumper import Dumper
-from megalign.dump.megatron_names import another_stage_dumps, global_name
-from megalign.dump.megatron_outputs import INPUT_CAPTURED, LocalShape, View, input_sharding, output_sharding, \
-    routing_choices, without_layout
+from megalign.capture.dumper import Dumper
+from megalign.capture.hooks import Hooks
+from megalign.capture.megatron_hooks import hook_megatron_model
+from megalign.capture.megatron_names import global_name
+from megalign.capture.megatron_outputs import LocalShape, View
+from megalign.capture.megatron_router import RouterTrace
 from megalign.dump.sharding import Sharding
 from megalign.spec import ModelConfig
 from megalign.stacks.megatron.model import logits_layout
@@ -23,87 +21,25 @@ from megalign.stacks.megatron.model import logits_layout
 LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
 
 
-def _replayed(router: TopKRouter) -> Optional[torch.Tensor]:
-    """The expert ids megatron's router replay forced on this router, if any."""
-    replay = getattr(router, "router_replay", None)
-    if replay is None or replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
-        return None
-    return replay.target_topk_idx
-
-
 class ActivationCapture:
     """Registers hooks on every submodule of `model`; `remove()` takes them off again."""
 
     def __init__(self, model: torch.nn.Module, dumper: Dumper, model_config: ModelConfig, local: LocalShape,
                  grads: bool):
-        self.dumper, self.model_config, self.local, self.grads = dumper, model_config, local, grads
-        self.handles, self.routers = [], []
-        for local, module in model.named_modules():
-            if not local:
-                continue  # the root's output is the loss (dumped by the loss function)
-            if another_stage_dumps(local):
-                continue
-            name = global_name(model, local)
-            if isinstance(module, TopKRouter):
-                self._trace_router(module, name)
-                continue
-            if without_layout(name, module):
-                continue
-            self.handles.append(module.register_forward_hook(self._hook(name)))
-            if local.endswith(INPUT_CAPTURED):
-                self.handles.append(module.register_forward_pre_hook(self._input_hook(name)))
+        self.dumper, self.model_config, self.grads = dumper, model_config, grads
+        self.hooks = Hooks()
+        self.routers = RouterTrace(self.hooks, dumper, local)
+        hook_megatron_model(self.hooks, model, self._record, lambda: local, named=lambda path: global_name(model, path),
+                            router=self.routers.trace)
 
-    def _hook(self, name: str):
-        def record(module, inputs, output):
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            for index, tensor in enumerate(outputs):
-                if not isinstance(tensor, torch.Tensor):
-                    continue
-                kind, key = "activation", name if index == 0 else f"{name}#{index}"
-                sharding, view = output_sharding(module, name, tensor, self.local)
-                if key == LOGITS_MODULE:
-                    # Logits are dumped batch-first, [b, s, vocab], the way every stack can write them.
-                    kind, key = "logits", "logits"
-                    sharding, view = logits_layout(self.model_config, sharding)
-                self._record(kind, key, name, tensor, sharding, view)
-
-        return record
-
-    def _trace_router(self, router: TopKRouter, name: str) -> None:
-        """Per MoE layer: the router logits [s, b, experts] (what megatron's gating returns), and the
-        experts chosen for each token with their weights, [s, b, topk], highest weight first."""
-        gating = router.gating
-
-        def traced_gating(hidden):
-            logits = gating(hidden)
-            self._record_routing(f"{name}.logits", name, logits)
-            return logits
-
-        def record(module, inputs, output):
-            for what, tensor in routing_choices(module, inputs, output, _replayed(module)).items():
-                self._record_routing(f"{name}.{what}", name, tensor)
-
-        router.gating = traced_gating  # an instance attribute, taken off again by remove()
-        self.routers.append(router)
-        self.handles.append(router.register_forward_hook(record))
-
-    def _record_routing(self, key: str, module: str, tensor: torch.Tensor) -> None:
-        if self.dumper.wants("routing", key):
-            self.dumper.add("routing", key, tensor.detach(), self.local.seq_sharding(tensor, 0, 1), module=module)
-
-    def _input_hook(self, name: str):
-        """The down projection's input: SwiGLU's output, a bare function with no module of its own."""
-        def record(module, inputs):
-            self._record("activation", f"{name}#input", name, inputs[0], input_sharding(inputs[0], self.local))
-
-        return record
-
-    def _record(self, kind: str, key: str, name: str, tensor: torch.Tensor, sharding: Sharding,
-                view: View = None) -> None:
+    def _record(self, key: str, name: str, tensor: torch.Tensor, sharding: Sharding, view: View) -> None:
+        kind = "activation"
+        if key == LOGITS_MODULE:
+            # Logits are dumped batch-first, [b, s, vocab], the way every stack can write them.
+            kind, key = "logits", "logits"
+            sharding, view = logits_layout(self.model_config, sharding)
         self.dumper.add_output(kind, key, tensor, sharding, view=view, module=name, grad=self.grads)
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        for router in self.routers:
-            del router.gating
+        self.hooks.remove()
+        self.routers.remove()

@@ -7,7 +7,7 @@ for both wrapped and bare models; `--grad-source grad` keeps the classic mistake
 With the distributed optimizer, DDP reduce-scatters each gradient bucket over the DP (x CP) ranks:
 each rank holds the reduced values of its shard only, the rest of the buffer its own unreduced
 gradients. The full gradients are the shards all-gathered, as `Dumper.step` gathers a user's
-(dump/ddp_grads.py: into fresh memory, the buckets left as they are); `--grad-source shard` reads
+(capture/ddp_grads.py: into fresh memory, the buckets left as they are); `--grad-source shard` reads
 only the rank's own shard, the other classic mistake, and coverage then names the parameters that
 lie outside it.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from megalign.dump.coverage import check_coverage, read_grad
-from megalign.dump.ddp_grads import gathered_grads, held_gradients, shard_grads
-from megalign.dump.dumper import Dumper
-from megalign.dump.megatron_names import global_name, is_duplicate_embedding
+from megalign.capture.coverage import check_coverage, read_grad
+from megalign.capture.ddp_grads import gathered_grads, held_gradients, shard_grads
+from megalign.capture.dumper import Dumper
+from megalign.capture.megatron_names import global_name, is_duplicate_embedding
 from megalign.spec import RunSpec
 from megalign.stacks.megatron.model import param_grad_layout, param_sharding
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megalign.dump.sharding import Sharding
-from megalign.dump.dumper import Dumper
+from megalign.capture.dumper import Dumper
 from megalign.stacks.batch import mean_token_loss
 
 

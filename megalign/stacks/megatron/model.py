@@ -18,9 +18,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megalign.dump.ddp_grads import tp_group
+from megalign.capture.ddp_grads import tp_group
+from megalign.capture.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.format import PRECISION_DTYPES
-from megalign.dump.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
 from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec

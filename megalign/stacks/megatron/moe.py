@@ -16,8 +16,8 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from safetensors.torch import load_file
 
 from megalign.dump.format import RankCoords
+from megalign.capture.megatron_names import global_name
 from megalign.dump.layout import BatchRow, rank_tokens
-from megalign.dump.megatron_names import global_name
 from megalign.spec import RunSpec
 
 

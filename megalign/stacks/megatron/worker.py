@@ -38,9 +38,9 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from megalign.dump.dumper import Dumper
+    from megalign.capture.dumper import Dumper
     from megalign.dump.layout import cp_split_bounds, dp_rows
-    from megalign.dump.megatron_outputs import LocalShape
+    from megalign.capture.megatron_outputs import LocalShape
     from megalign.dump.sharding import Sharding
     from megalign.stacks.batch import batch_rows, build_batch
     from megalign.stacks.megatron.capture import ActivationCapture

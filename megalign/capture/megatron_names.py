@@ -5,7 +5,7 @@ name them by these rules alike.
 Every PP stage counts its layers from 0 (`decoder.layers.0` is the first layer of each stage) and
 every EP rank its experts (`local_experts.0`): the dump gives each its global index, so that the
 stages' and ranks' names do not collide and match a run without PP or EP. Read from the model's
-attributes and parallel_state where the program initialised it, so that dump/ imports no megatron.
+attributes and parallel_state where the program initialised it, so that the Dumper imports no megatron.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from megalign.dump.ddp_grads import megatron_state
+from megalign.capture.ddp_grads import megatron_state
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?=\.|$)")

@@ -1,12 +1,12 @@
 """How a megatron-core module's output lies on one rank: which dim holds the sequence (split over CP
 ranks, and again over the TP ranks under sequence parallelism), which the batch (split over DP
 ranks), which is split over TP ranks. Stated once, for megalign's megatron worker
-(stacks/megatron/capture.py) and for `Dumper.watch` on a user's megatron-core model alike.
+(through capture/megatron_hooks.py) and for `Dumper.watch` on a user's megatron-core model alike.
 
 megatron-core's conventions: inside the model tensors are sequence-first ([s, b, ...]);
 column-parallel linears and the core attention leave their last dim split over TP ranks;
 row-parallel linears all-reduce (under SP: reduce-scatter the sequence), so their outputs are
-replicas (or SP pieces). Read from class names and attributes only, so that dump/ imports no megatron.
+replicas (or SP pieces). Read from class names and attributes only, so that the Dumper imports no megatron.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ reduced values; the rest holds the rank's own unreduced gradient. The full gradi
 rank's shard, all-gathered into a fresh tensor (never into `grad_data`: the user's code after the
 step, clipping included, must see the buffer as DDP left it). megalign's megatron worker reads
 its gradients here too (stacks/megatron/grads.py), and decides as the Dumper does whether a rank
-holds one (held_gradients). Duck-typed, so that dump/ imports no megatron.
+holds one (held_gradients). Duck-typed, so that the Dumper imports no megatron.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megalign.dump.coverage import have_gradients
+from megalign.capture.coverage import have_gradients
 
 
 def megatron_state() -> Optional[object]:
     """megatron-core's parallel_state where the program initialised it, else None (read where the
-    program imported it: dump/ imports no megatron)."""
+    program imported it: the Dumper imports no megatron)."""
     state = sys.modules.get("megatron.core.parallel_state")
     return state if state is not None and state.model_parallel_is_initialized() else None
 

@@ -19,7 +19,7 @@ megatron-core's parallel_state where it is initialised, otherwise every rank is 
 Steps: `step(n)` collects the parameter gradients (and, with `params=True`, the parameters) when its
 block ends; dump.json lists the steps written, and each rank's manifest marks where each step's
 records begin ("steps": [[n, first record], ...]). compare names a dump's tensors by step where it
-holds several (`step1/name`); `steps=` picks the steps written (dump/steps.py).
+holds several (`step1/name`); `steps=` picks the steps written (capture/steps.py).
 
 In a user's trainer, `Dumper.from_env()` is the one line: MEGALIGN_DUMP=DIR turns dumping on,
 MEGALIGN_DUMP_STEPS picks the steps; unset, a NullDumper that installs nothing.
@@ -40,21 +40,22 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megalign.dump.coverage import collective_device, read_grad
-from megalign.dump.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
+from megalign.capture.coverage import collective_device, read_grad
+from megalign.capture.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
                                      megatron_state, sharded, tp_group)
-from megalign.dump.dtensor import is_dtensor, local_piece
+from megalign.capture.dtensor import is_dtensor, local_piece
+from megalign.capture.hooks import Hooks
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
-from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, input_sharding, is_megatron_model,
-                                            is_router, output_sharding, packed_row, routing_choices, without_layout)
-from megalign.dump.megatron_names import another_stage_dumps, global_name, is_duplicate_embedding
+from megalign.capture.megatron_hooks import hook_megatron_model
+from megalign.capture.megatron_names import global_name, is_duplicate_embedding
+from megalign.capture.megatron_outputs import LocalShape, View, is_megatron_model, is_router, packed_row, routing_choices
 from megalign.dump.meta import dump_meta
-from megalign.dump.rows import RowLog, rows_meta
+from megalign.capture.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
-from megalign.dump.steps import Steps, choose_steps
+from megalign.capture.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter, check_storable
 from megalign.errors import UserError
 
@@ -113,7 +114,7 @@ class Dumper:
         self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only, name_filter=name_filter)
         self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
-        self._hooks: list = []
+        self._hooks = Hooks()
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules whose outputs are watched (a model may go)
         self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
         # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
@@ -229,7 +230,7 @@ class Dumper:
         A megatron-core model (GPTModel, or the megatron-core DDP wrapping it; its gradients are read
         where DDP leaves them) needs nothing declared: how each output is split under TP, sequence
         parallelism, CP and DP is inferred as megalign's own megatron worker infers it
-        (dump/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
+        (capture/megatron_outputs.py), from the model's TransformerConfig and the input_ids [b, s] of
         each forward call (this rank's share of the batch). The CP split read is megatron's zigzag
         (rank r holds chunks r and 2*CP-1-r of every sequence, as megatron.core.utils.
         get_batch_on_this_cp_rank gives them; another split would read as a divergence). Packed (THD)
@@ -253,7 +254,7 @@ class Dumper:
         right-padded; none: every token real), step by step, so that compare lines up runs padded or
         packed differently token by token (compare/lineup.py). Rows that cannot be recorded (a 4D or
         left-padded mask, DP ranks padded to different lengths) are dropped with a warning, never
-        raised mid-step (dump/rows.py). torch's DDP is unwrapped (names as the model's own; its
+        raised mid-step (capture/rows.py). torch's DDP is unwrapped (names as the model's own; its
         process_group must be the Dumper's DP group: `dp_group`); FSDP2 and tensor parallel's
         DTensors are placed by their placements. Pipeline stages (`dp_group`) keep the whole model's
         module names. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
@@ -318,23 +319,20 @@ class Dumper:
                              "(whose layout is known)")
         if not megatron and batch_dim is not None and (self.layout.dp > 1 or seq_dim is not None):
             # A DP split needs the batch's rows; token tensors, the rows' length and padding.
-            self._hooks.append(module.register_forward_pre_hook(self._batch_hook(module, batch_dim, seq_dim),
-                                                                with_kwargs=True))
+            self._hooks.before_call(module, self._batch_hook(module, batch_dim, seq_dim))
         if cp_split not in CP_SPLITS:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
         self._cp_split = cp_split
-        layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim, seq_dim)
         self._hooked.update(hooked)
+        if megatron:
+            local, packed = self._megatron_calls(module)
+            hook_megatron_model(self._hooks, module, self._output, local, named=named, packed=packed,
+                                live=lambda: self._writing, router=self._router_tracer(local))
+            return
+        layout_of = self._batch_layout(batch_dim, seq_dim)
         for path, sub in module.named_modules():
-            if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
-                continue
-            if megatron and is_router(sub):
-                self._hooks.append(sub.register_forward_hook(self._routing_hook(named(path), layout_of(path))))
-            if megatron and (without_layout(path, sub) or another_stage_dumps(path)):
-                continue
-            self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
-            if megatron and path.endswith(INPUT_CAPTURED):
-                self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path, True))))
+            if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
+                self._hooks.on_outputs(sub, named(path), self._output_hook(named(path), layout_of(sub)))
 
     def _check_group(self, group: dist.ProcessGroup) -> None:
         """torch DDP averages gradients over `group`: the Dumper's DP ranks must be its ranks, or its
@@ -347,23 +345,23 @@ class Dumper:
     def _batch_layout(self, batch_dim: Optional[int], seq_dim: Optional[int]) -> Callable:
         """Any module's outputs: split over DP ranks on `batch_dim`, else replicas; with `seq_dim`,
         those with the rows' tokens there are token tensors (their batch dim recorded at any DP size)."""
-        def layout_of(path: str, of_input: bool = False) -> Callable:
-            def sharding(sub, tensor: torch.Tensor) -> tuple[Sharding, View]:
+        def layout_of(sub: torch.nn.Module) -> Callable:
+            def sharding(tensor: torch.Tensor) -> Sharding:
                 if is_dtensor(tensor):
-                    return Sharding(), None
+                    return Sharding()
                 split = (batch_dim is not None and tensor.ndim > batch_dim
                          and (self.layout.dp > 1 or seq_dim is not None)
                          and self._batch in (None, tensor.shape[batch_dim]))
                 tokens = seq_dim is not None and tensor.ndim > seq_dim and tensor.shape[seq_dim] == self._seq_len
-                return Sharding(dp_dim=batch_dim if split else None, seq_dim=seq_dim if tokens else None), None
+                return Sharding(dp_dim=batch_dim if split else None, seq_dim=seq_dim if tokens else None)
 
             return sharding
 
         return layout_of
 
-    def _megatron_layout(self, model: torch.nn.Module) -> Callable:
-        """A megatron-core model's outputs, laid out as megalign's worker infers them; this rank's
-        LocalShape is read from each forward call's input_ids."""
+    def _megatron_calls(self, model: torch.nn.Module) -> tuple[Callable[[], LocalShape], Callable[[], bool]]:
+        """A megatron-core model's calls, read before each one: this rank's LocalShape (from its
+        input_ids) and whether its rows are packed (its packed_seq_params, whose row is logged)."""
         local: list[LocalShape] = []
         packed: list[bool] = [False]
 
@@ -381,22 +379,8 @@ class Dumper:
                 else:
                     self._row_log.saw(self._step_now, (row,))
 
-        self._hooks.append(model.register_forward_pre_hook(learn, with_kwargs=True))
-
-        def layout_of(path: str, of_input: bool = False) -> Callable:
-            """How the outputs (or, `of_input`, the first input) of the module at `path` lie."""
-            def sharding(sub, tensor: torch.Tensor) -> tuple[Optional[Sharding], View]:
-                if of_input:
-                    return input_sharding(tensor, local[0]), None
-                if packed[0] and path == "rotary_pos_emb":
-                    # Packed rows: a table of max_seqlen_q positions that every document restarts
-                    # from, no token's: nothing to line up, and its length differs between DP ranks.
-                    return None, None
-                return output_sharding(sub, path, tensor, local[0])
-
-            return sharding
-
-        return layout_of
+        self._hooks.before_call(model, learn)
+        return (lambda: local[0]), (lambda: packed[0])
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -489,7 +473,7 @@ class Dumper:
             return
         self._closed = True
         self._forget_unclosed()
-        self._unhook()
+        self._hooks.remove()
         if not self._choice.all and not self._steps:  # MEGALIGN_DUMP_STEPS=7 in a run of 3 steps
             warnings.warn(f"megalign.Dumper({str(self.out)!r}): none of the steps it was to dump ran "
                           f"(steps {self._choice}): the dump holds no step", stacklevel=2)
@@ -543,7 +527,7 @@ class Dumper:
             return
         self._closed = True
         self._forget_unclosed()
-        self._unhook()
+        self._hooks.remove()
         with contextlib.suppress(Exception):  # the error being handled is the one to report
             self._writer.close()
         self._landing.__exit__(RuntimeError, RuntimeError("aborted"), None)
@@ -561,29 +545,33 @@ class Dumper:
         else:
             self.abort()
 
-    def _output_hook(self, name: str, sharding: Callable) -> Callable:
-        def record(module, inputs, output):
-            if not self._writing:
-                return
-            outputs = output if isinstance(output, (tuple, list)) else (output,)
-            for index, tensor in enumerate(outputs):
-                if isinstance(tensor, torch.Tensor):
-                    key = name if index == 0 else f"{name}#{index}"
-                    layout, view = sharding(module, tensor)
-                    if layout is not None:  # None: an output with nothing to put back together
-                        self.add_output("activation", key, tensor, layout, view=view, module=name)
+    def _output_hook(self, name: str, sharding: Callable[[torch.Tensor], Sharding]) -> Callable:
+        def record(module, key, tensor, index):
+            self._output(key, name, tensor, sharding(tensor), None)
 
         return record
 
-    def _routing_hook(self, name: str, sharding: Callable) -> Callable:
+    def _router_tracer(self, local: Callable[[], LocalShape]) -> Callable[[torch.nn.Module, str], bool]:
         """A megatron-core router's decisions, as megalign's worker dumps them (kind routing)."""
-        def record(module, inputs, output):
-            if self._writing:
-                for what, tensor in routing_choices(module, inputs, output).items():
-                    if self.wants("routing", f"{name}.{what}"):
-                        self.add("routing", f"{name}.{what}", tensor, sharding(module, tensor)[0], module=name)
+        def trace(router: torch.nn.Module, name: str) -> bool:
+            if not is_router(router):
+                return False
 
-        return record
+            def record(module, inputs, output):
+                if self._writing:
+                    for what, tensor in routing_choices(module, inputs, output).items():
+                        if self.wants("routing", f"{name}.{what}"):
+                            self.add("routing", f"{name}.{what}", tensor, local().seq_sharding(tensor, 0, 1),
+                                     module=name)
+
+            self._hooks.after_call(router, record)
+            return True
+
+        return trace
+
+    def _output(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View) -> None:
+        if self._writing:
+            self.add_output("activation", key, tensor, sharding, view=view, module=module)
 
     def _batch_hook(self, module: torch.nn.Module, batch_dim: int, seq_dim: Optional[int]) -> Callable:
         """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's
@@ -606,19 +594,6 @@ class Dumper:
                         self._row_log.lose(str(error))
 
         return read
-
-    def _input_hook(self, name: str, sharding: Callable) -> Callable:
-        def record(module, inputs):
-            if self._writing:
-                layout, view = sharding(module, inputs[0])
-                self.add_output("activation", f"{name}#input", inputs[0], layout, view=view, module=name)
-
-        return record
-
-    def _unhook(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
     def _on_rank_zero(self, action: Callable[[], None]) -> None:
         """Run `action` on rank 0, which owns the staging folder; every rank raises if it failed, so
