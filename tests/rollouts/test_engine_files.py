@@ -58,9 +58,12 @@ def test_vllm_nulls_echo_with_n2_and_replacement_characters(checkpoint, tmp_path
 
 
 def test_only_unmappable_choices_is_one_line(checkpoint, tmp_path):
+    """The emoji choice alone (its null fields dropped, as an older vLLM writes it) was mapped silently:
+    now nothing of it can be run, and forward says why in one line."""
     content = fixture("vllm-0.16-completions-echo-n2.json")
+    choice = {k: v for k, v in content["choices"][1].items() if v is not None}
     only = tmp_path / "emoji.json"
-    only.write_text(json.dumps(dict(content, choices=content["choices"][1:])))
+    only.write_text(json.dumps(dict(content, choices=[dict(choice, index=0)])))
     result = invoke("forward", "--hf", checkpoint, "--rollout", only, "--out", tmp_path / "o")
     assert result.exit_code == 2 and "U+FFFD" in error_line(result), result.output
     assert not (tmp_path / "o").exists()
@@ -104,6 +107,20 @@ def test_sglang_chat_with_meta_info(checkpoint):
     assert [s.prompt for s in samples] == [c["prompt_token_ids"] for c in content["choices"]]
     assert [s.response for s in samples] == [[e[1] for e in c["meta_info"]["output_token_logprobs"]]
                                              for c in content["choices"]]
+
+
+def test_chat_bytes_of_a_replacement_character_are_never_mapped(checkpoint, tmp_path):
+    """SGLang's chat without meta_info: bytes from each token's decoded text, so choice 1's emoji pieces are
+    U+FFFD's, which SmolLM2's own "\ufffd" token took silently. That choice is left out; choice 0 reads."""
+    content = fixture("sglang-0.5-chat-meta-info.json")
+    plain = tmp_path / "chat.json"
+    plain.write_text(json.dumps(dict(content, choices=[{k: v for k, v in c.items() if k != "meta_info"}
+                                                       for c in content["choices"]])))
+    rollout = read_rollout(plain, checkpoint)
+    assert [s.response for s in rollout.samples] == [[e[1] for e in content["choices"][0]["meta_info"]
+                                                      ["output_token_logprobs"]]]
+    [note] = rollout.notes()
+    assert "choices[1].logprobs.content[2]: token ' \ufffd' is spelled with U+FFFD" in note, note
 
 
 def test_sglang_default_input_entry_is_checked_against_the_last_prompt_id(tmp_path):
