@@ -41,9 +41,10 @@ class RolloutPair:
         mine = [_entry("input", "tokens", 0, self.tokens), _entry("input", "loss_mask", 1, self.loss_mask),
                 _entry("logprobs", "logprobs", 2, self.logprobs)]
         # The engine's precision is not in the file: its logprobs are judged as an fp32 run's (--reference).
+        notes = "".join(f"; {line}" for line in self.rollout.notes())
         rollout = Source(path=self.rollout.path, format="rollout", entries=mine, precision="fp32",
                          description=f"rollout: {self.rollout.format}, {len(self.rollout.samples)} sequences, "
-                                     f"{self.rollout.response_tokens()} response tokens")
+                                     f"{self.rollout.response_tokens()} response tokens{notes}")
         dump = self.view(self.dump)
         return (rollout, dump) if self.rollout_first else (dump, rollout)
 
@@ -113,6 +114,9 @@ def open_pair(a: Path, b: Path) -> Optional[RolloutPair]:
     hf = dump.dump.meta.get("hf_checkpoint") if dump.dump is not None else None
     rollout = read_rollout(rollout_path, Path(hf) if hf else None)
     check_rows(dump, rollout)
+    if len(rollout.recompute_only()) == len(rollout.samples):
+        raise UserError(f"{rollout_path}: no sequence has the engine's logprobs (rollout_log_probs null: the trainer "
+                        "recomputes them), so there is nothing to compare; megalign forward --rollout runs its tokens")
     tokens, logprobs, compared, loss_mask = rollout_grid(rollout)
     return RolloutPair(rollout=rollout, dump=dump, rollout_first=rollout_path == a, tokens=tokens, logprobs=logprobs,
                        compared=compared, loss_mask=loss_mask)

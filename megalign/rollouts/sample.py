@@ -9,7 +9,7 @@ so the logprob of token t sits at position t-1 (`Sample.at_positions`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,11 +19,13 @@ from megalign.errors import UserError
 @dataclass
 class Sample:
     """One generated sequence. A logprob is NaN where the file has null past the first prompt token
-    (orjson writes -inf and NaN as null); prompt_logprobs is None when the file has none."""
+    (orjson writes -inf and NaN as null); prompt_logprobs is None when the file has none, and
+    response_logprobs None where the engine's were not kept (slime's `rollout_log_probs: null`: the
+    trainer recomputes them): its tokens run, nothing of it is compared."""
 
     prompt: list[int]
     response: list[int]
-    response_logprobs: list[float]
+    response_logprobs: Optional[list[float]]
     prompt_logprobs: Optional[list[Optional[float]]] = None  # entry 0 None: the first token has no context
     response_mask: Optional[list[int]] = None  # 0 on tokens the trainer leaves out (tool output); default all 1
 
@@ -44,10 +46,18 @@ class Sample:
         for i, value in enumerate(prompt[1:], start=1):
             if value is not None:
                 values[i - 1], compared[i - 1] = value, 1
-        for j, (value, keep) in enumerate(zip(self.response_logprobs, self.label_mask()[len(self.prompt) - 1:])):
+        for j, (value, keep) in enumerate(zip(self.response_logprobs or [], self.label_mask()[len(self.prompt) - 1:])):
             if keep:
                 values[len(self.prompt) + j - 1], compared[len(self.prompt) + j - 1] = value, 1
         return values, compared
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """A sequence of the file that a reader cannot map to token ids without guessing."""
+
+    where: str  # the file, item and choice
+    why: str  # from the token that cannot be mapped on: "FILE: choices[1].logprobs.tokens[6]: ..."
 
 
 @dataclass
@@ -55,6 +65,19 @@ class Rollout:
     path: Path
     format: str  # which engine's format, in words
     samples: list[Sample]
+    left_out: list[LeftOut] = field(default_factory=list)
+
+    def recompute_only(self) -> list[int]:
+        """The samples without the engine's logprobs: run, never compared."""
+        return [i for i, s in enumerate(self.samples) if s.response_logprobs is None]
+
+    def notes(self) -> list[str]:
+        """What of the file is not compared, and why, one line each (empty when all of it is)."""
+        lines = [f"left out: {x.why}" for x in self.left_out]
+        if self.recompute_only():
+            lines.append(f"{len(self.recompute_only())} of {len(self.samples)} sequences have no engine logprobs "
+                         "(rollout_log_probs null: recompute only): run, not compared")
+        return lines
 
     def tokens(self) -> list[list[int]]:
         return [s.tokens for s in self.samples]

@@ -4,6 +4,7 @@ stacks/batch.py."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +26,8 @@ def rollout_sequences(path: Path, hf: Optional[Path]) -> tuple[list[list[int]], 
     """--rollout's tokens (prompt + response) and label mask (the response) per sequence; `hf`: the
     checkpoint whose tokenizer maps a chat completion's string tokens to ids."""
     rollout = read_rollout(path, hf)
+    for line in rollout.notes():  # what the run leaves out or compare will not judge, before it runs
+        print(f"megalign: {line}", file=sys.stderr)
     return rollout.tokens(), rollout.label_masks()
 
 
