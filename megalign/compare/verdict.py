@@ -29,6 +29,7 @@ from megalign.compare.lineup import line_up
 from megalign.compare.metrics import (LogprobMetrics, RoutingMetrics, StatsMetrics, TensorMetrics,
                                                 logprob_metrics, metrics_of, pair_sums, routing_metrics, stats_metrics,
                                                 tensor_metrics)
+from megalign.compare.objective import on_objective_scale
 from megalign.compare.reference import ReferenceVerdict, check_reference, judge
 from megalign.compare.scale import KindScale, Scale, SmallScale, check_kinds, check_scale, check_small
 from megalign.compare.steps import share_steps
@@ -151,6 +152,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
     a, b, reference = share_steps(a, b, reference)  # a training loop's dumps: the steps all hold
     a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
+    a, b, reference = on_objective_scale(a, b, reference)  # activation gradients: by each run's reduction
     pattern = compile_pattern("--filter", name_filter) if name_filter else None
     skippable = compile_pattern("--allow-skipped", allow_skipped) if allow_skipped else None
     missable = compile_pattern("--allow-missing", allow_missing) if allow_missing else None

@@ -44,6 +44,7 @@ from megalign.dump.coverage import collective_device, read_grad
 from megalign.dump.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
                                      megatron_state, sharded)
 from megalign.dump.dtensor import is_dtensor, local_piece
+from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, Stated, check_stated
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
@@ -52,6 +53,7 @@ from megalign.dump.megatron_outputs import (INPUT_CAPTURED, LocalShape, View, in
                                             output_sharding, packed_row, without_layout)
 from megalign.dump.megatron_names import another_stage_dumps, global_name, is_duplicate_embedding
 from megalign.dump.meta import dump_meta
+from megalign.dump.partial import check_partial, partial_piece, shared_output_grad
 from megalign.dump.rows import RowLog, rows_meta
 from megalign.dump.sharding import Sharding
 from megalign.dump.steps import Steps, choose_steps
@@ -86,6 +88,9 @@ class Dumper:
     dump.json's dtype, which sets compare's thresholds, where the Dumper cannot see it (a model cast to
     bf16 that keeps fp32 gradients, tensors upcast before add()). None: autocast's 16-bit dtype where
     a tensor was recorded under torch.autocast, else the widest float dtype recorded.
+    `grad_reduction`: how the ranks' parameter gradients are reduced, where the Dumper cannot read it
+    (a DDP comm hook of yours): "sum", "mean" (over the DP ranks) or the divisor of their sum; read
+    from a watched torch DDP or FSDP2 otherwise (grad_convention.py).
     """
 
     enabled = True
@@ -93,8 +98,10 @@ class Dumper:
     def __init__(self, out, *, overwrite: bool = False, stats_only: bool = False,
                  name_filter: Optional[str] = None, claim: bool = True, steps: Steps = "all",
                  params: bool = False, dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None,
-                 dtype: Union[str, torch.dtype, None] = None):
+                 dtype: Union[str, torch.dtype, None] = None, grad_reduction: Stated = None):
         self._choice = choose_steps(steps)
+        self._stated_reduction = check_stated(grad_reduction)
+        self._reducers = Reducers()  # the watched DDPs and FSDP2 modules: how they reduce, read at close
         self._precision = None if dtype is None else _stated_precision(dtype)
         self._autocast: set[str] = set()  # the precisions autocast computed recorded tensors in
         self._params = params
@@ -149,6 +156,8 @@ class Dumper:
         steps = os.environ.get("MEGALIGN_DUMP_STEPS")
         if steps:
             options["steps"] = choose_steps(steps, "MEGALIGN_DUMP_STEPS")
+        if reduction := os.environ.get("MEGALIGN_GRAD_REDUCTION"):
+            options["grad_reduction"] = check_stated(reduction, "MEGALIGN_GRAD_REDUCTION")
         return cls(out, **options)
 
     @property
@@ -189,24 +198,29 @@ class Dumper:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{kind} {name}: a torch.Tensor is needed, got {type(tensor).__name__}")
         check_storable(kind, name, tensor)
+        if sharding is not None and sharding.partial is not None:
+            check_partial(sharding, f"{kind} {name}")
         if not self._writing:
             return
         if is_dtensor(tensor):
             if sharding not in (None, Sharding()):
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
             tensor, sharding = local_piece(tensor)
+        if sharding is not None and sharding.partial is not None:
+            tensor, sharding = partial_piece(tensor, sharding, self.coords, self.layout)
         if (precision := _autocast_precision(tensor)) is not None:
             self._autocast.add(precision)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call)
 
     def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
-                   module: Optional[str] = None, grad: bool = True) -> None:
+                   module: Optional[str] = None, grad: bool = True, grad_sharding: Optional[Sharding] = None) -> None:
         """add() a module's output `tensor` (through `view`, if any) as (kind, name) and, with `grad`,
         its gradient as activation_grad when backward reaches it. A leaf, a parameter the module
         returns as it is (megatron's linears return their skipped bias so), gets no gradient: that
         is the parameter's, summed over this rank's tokens only, whole in param_grad. The gradient
-        takes this call's place among the name's repeats, however late backward reaches it."""
+        takes this call's place among the name's repeats, however late backward reaches it.
+        `grad_sharding`: the gradient's, where it lies otherwise (partial sums of a replica output)."""
         view = view or (lambda t: t)
         call = len(self.records)  # the order this call's output is recorded at
         if self.wants(kind, name):
@@ -215,7 +229,8 @@ class Dumper:
             def on_grad(gradient: Optional[torch.Tensor]) -> None:
                 if gradient is not None:
                     self._check_open("add")
-                    self._record("activation_grad", name, view(gradient), sharding, module=module, call=call)
+                    self._record("activation_grad", name, view(gradient), grad_sharding or sharding, module=module,
+                                 call=call)
 
             tensor.register_hook(on_grad)
 
@@ -260,6 +275,7 @@ class Dumper:
         Outputs are tensors, or tuples and lists of them; a dict's values (a ModelOutput's) are not
         read: add() them. A refusal aborts the Dumper: no staging folder is left behind."""
         self._check_open("watch")
+        self._reducers.watch(module)
         try:
             self._watch(module, prefix, batch_dim, outputs, cp_split, seq_dim)
         except Exception:
@@ -322,13 +338,14 @@ class Dumper:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
         self._cp_split = cp_split
         layout_of = self._megatron_layout(module) if megatron else self._batch_layout(batch_dim, seq_dim)
+        rows_split = not megatron and batch_dim is not None and self.layout.dp > 1  # each DP rank its own rows
         self._hooked.update(hooked)
         for path, sub in module.named_modules():
             if not path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
                 continue
             if megatron and (without_layout(path, sub) or another_stage_dumps(path)):
                 continue
-            self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path))))
+            self._hooks.append(sub.register_forward_hook(self._output_hook(named(path), layout_of(path), rows_split)))
             if megatron and path.endswith(INPUT_CAPTURED):
                 self._hooks.append(sub.register_forward_pre_hook(self._input_hook(named(path), layout_of(path, True))))
 
@@ -517,7 +534,12 @@ class Dumper:
         rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                          self.layout, {"dtype": self._run_precision(), "stats_only": self._writer.stats_only,
-                                       "steps": self._steps, **rows})
+                                       "steps": self._steps, **rows, **self._reduction()})
+
+    def _reduction(self) -> dict:
+        """dump.json's grad_reduction, where the run reduced gradients over ranks or the user said how."""
+        reduction = self._reducers.reduction(self._stated_reduction, self.layout.dp)
+        return {} if reduction is None else {REDUCTION: reduction.to_dict()}
 
     def _run_precision(self) -> str:
         """dump.json's dtype, the row of compare's thresholds: as stated (dtype=), else autocast's,
@@ -556,7 +578,9 @@ class Dumper:
         else:
             self.abort()
 
-    def _output_hook(self, name: str, sharding: Callable) -> Callable:
+    def _output_hook(self, name: str, sharding: Callable, rows_split: bool = False) -> Callable:
+        """`rows_split`: the DP ranks hold other rows, so that an output not split by rows is a replica
+        whose gradient each rank holds a partial sum of (partial.shared_output_grad)."""
         def record(module, inputs, output):
             if not self._writing:
                 return
@@ -566,7 +590,8 @@ class Dumper:
                     key = name if index == 0 else f"{name}#{index}"
                     layout, view = sharding(module, tensor)
                     if layout is not None:  # None: an output with nothing to put back together
-                        self.add_output("activation", key, tensor, layout, view=view, module=name)
+                        grad = shared_output_grad(layout) if rows_split and not is_dtensor(tensor) else None
+                        self.add_output("activation", key, tensor, layout, view=view, module=name, grad_sharding=grad)
 
         return record
 
