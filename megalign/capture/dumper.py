@@ -45,6 +45,7 @@ from megalign.capture.ddp_grads import (find_megatron_ddp, gathered_grads, held_
                                      megatron_state, sharded, tp_group)
 from megalign.capture.dtensor import is_dtensor, local_piece
 from megalign.capture.hooks import Hooks
+from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, Stated, check_stated
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
@@ -54,6 +55,7 @@ from megalign.capture.megatron_names import global_name, is_duplicate_embedding
 from megalign.capture.megatron_outputs import LocalShape, View, is_megatron_model, is_router, packed_row, routing_choices
 from megalign.dump.meta import dump_meta
 from megalign.capture.rows import RowLog, rows_meta
+from megalign.dump.partial import check_partial, partial_piece, shared_output_grad
 from megalign.dump.sharding import Sharding
 from megalign.capture.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter, check_storable
@@ -87,6 +89,9 @@ class Dumper:
     dump.json's dtype, which sets compare's thresholds, where the Dumper cannot see it (a model cast to
     bf16 that keeps fp32 gradients, tensors upcast before add()). None: autocast's 16-bit dtype where
     a tensor was recorded under torch.autocast, else the widest float dtype recorded.
+    `grad_reduction`: how the ranks' parameter gradients are reduced, where the Dumper cannot read it
+    (a DDP comm hook of yours): "sum", "mean" (over the DP ranks) or the divisor of their sum; read
+    from a watched torch DDP or FSDP2 otherwise (grad_convention.py).
     """
 
     enabled = True
@@ -94,8 +99,10 @@ class Dumper:
     def __init__(self, out, *, overwrite: bool = False, stats_only: bool = False,
                  name_filter: Optional[str] = None, claim: bool = True, steps: Steps = "all",
                  params: bool = False, dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None,
-                 dtype: Union[str, torch.dtype, None] = None):
+                 dtype: Union[str, torch.dtype, None] = None, grad_reduction: Stated = None):
         self._choice = choose_steps(steps)
+        self._stated_reduction = check_stated(grad_reduction)
+        self._reducers = Reducers()  # the watched DDPs and FSDP2 modules: how they reduce, read at close
         self._precision = None if dtype is None else _stated_precision(dtype)
         self._autocast: set[str] = set()  # the precisions autocast computed recorded tensors in
         self._params = params
@@ -150,6 +157,8 @@ class Dumper:
         steps = os.environ.get("MEGALIGN_DUMP_STEPS")
         if steps:
             options["steps"] = choose_steps(steps, "MEGALIGN_DUMP_STEPS")
+        if reduction := os.environ.get("MEGALIGN_GRAD_REDUCTION"):
+            options["grad_reduction"] = check_stated(reduction, "MEGALIGN_GRAD_REDUCTION")
         return cls(out, **options)
 
     @property
@@ -190,24 +199,29 @@ class Dumper:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{kind} {name}: a torch.Tensor is needed, got {type(tensor).__name__}")
         check_storable(kind, name, tensor)
+        if sharding is not None and sharding.partial is not None:
+            check_partial(sharding, f"{kind} {name}")
         if not self._writing:
             return
         if is_dtensor(tensor):
             if sharding not in (None, Sharding()):
                 raise ValueError(f"{kind} {name}: a DTensor's placements say how it is split; pass no sharding")
             tensor, sharding = local_piece(tensor)
+        if sharding is not None and sharding.partial is not None:
+            tensor, sharding = partial_piece(tensor, sharding, self.coords, self.layout)
         if (precision := _autocast_precision(tensor)) is not None:
             self._autocast.add(precision)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call)
 
     def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
-                   module: Optional[str] = None, grad: bool = True) -> None:
+                   module: Optional[str] = None, grad: bool = True, grad_sharding: Optional[Sharding] = None) -> None:
         """add() a module's output `tensor` (through `view`, if any) as (kind, name) and, with `grad`,
         its gradient as activation_grad when backward reaches it. A leaf, a parameter the module
         returns as it is (megatron's linears return their skipped bias so), gets no gradient: that
         is the parameter's, summed over this rank's tokens only, whole in param_grad. The gradient
-        takes this call's place among the name's repeats, however late backward reaches it."""
+        takes this call's place among the name's repeats, however late backward reaches it.
+        `grad_sharding`: the gradient's, where it lies otherwise (partial sums of a replica output)."""
         view = view or (lambda t: t)
         call = len(self.records)  # the order this call's output is recorded at
         if self.wants(kind, name):
@@ -216,7 +230,8 @@ class Dumper:
             def on_grad(gradient: Optional[torch.Tensor]) -> None:
                 if gradient is not None:
                     self._check_open("add")
-                    self._record("activation_grad", name, view(gradient), sharding, module=module, call=call)
+                    self._record("activation_grad", name, view(gradient), grad_sharding or sharding, module=module,
+                                 call=call)
 
             tensor.register_hook(on_grad)
 
@@ -263,6 +278,7 @@ class Dumper:
         Outputs are tensors, or tuples and lists of them; a dict's values (a ModelOutput's) are not
         read: add() them. A refusal aborts the Dumper: no staging folder is left behind."""
         self._check_open("watch")
+        self._reducers.watch(module)
         try:
             self._watch(module, prefix, batch_dim, outputs, cp_split, seq_dim)
         except Exception:
@@ -323,6 +339,7 @@ class Dumper:
         if cp_split not in CP_SPLITS:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
         self._cp_split = cp_split
+        rows_split = not megatron and batch_dim is not None and self.layout.dp > 1  # each DP rank its own rows
         self._hooked.update(hooked)
         if megatron:
             local, packed = self._megatron_calls(module)
@@ -332,7 +349,7 @@ class Dumper:
         layout_of = self._batch_layout(batch_dim, seq_dim)
         for path, sub in module.named_modules():
             if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
-                self._hooks.on_outputs(sub, named(path), self._output_hook(named(path), layout_of(sub)))
+                self._hooks.on_outputs(sub, named(path), self._output_hook(named(path), layout_of(sub), rows_split))
 
     def _check_group(self, group: dist.ProcessGroup) -> None:
         """torch DDP averages gradients over `group`: the Dumper's DP ranks must be its ranks, or its
@@ -506,7 +523,12 @@ class Dumper:
         rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
         return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
                          self.layout, {"dtype": self._run_precision(), "stats_only": self._writer.stats_only,
-                                       "steps": self._steps, **rows})
+                                       "steps": self._steps, **rows, **self._reduction()})
+
+    def _reduction(self) -> dict:
+        """dump.json's grad_reduction, where the run reduced gradients over ranks or the user said how."""
+        reduction = self._reducers.reduction(self._stated_reduction, self.layout.dp)
+        return {} if reduction is None else {REDUCTION: reduction.to_dict()}
 
     def _run_precision(self) -> str:
         """dump.json's dtype, the row of compare's thresholds: as stated (dtype=), else autocast's,
@@ -545,9 +567,13 @@ class Dumper:
         else:
             self.abort()
 
-    def _output_hook(self, name: str, sharding: Callable[[torch.Tensor], Sharding]) -> Callable:
+    def _output_hook(self, name: str, sharding: Callable[[torch.Tensor], Sharding], rows_split: bool = False) -> Callable:
+        """`rows_split`: the DP ranks hold other rows, so that an output not split by rows is a replica
+        whose gradient each rank holds a partial sum of (partial.shared_output_grad)."""
         def record(module, key, tensor, index):
-            self._output(key, name, tensor, sharding(tensor), None)
+            layout = sharding(tensor)
+            grad = shared_output_grad(layout) if rows_split and not is_dtensor(tensor) else None
+            self._output(key, name, tensor, layout, None, grad)
 
         return record
 
@@ -569,9 +595,10 @@ class Dumper:
 
         return trace
 
-    def _output(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View) -> None:
+    def _output(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View,
+                grad_sharding: Optional[Sharding] = None) -> None:
         if self._writing:
-            self.add_output("activation", key, tensor, sharding, view=view, module=module)
+            self.add_output("activation", key, tensor, sharding, view=view, module=module, grad_sharding=grad_sharding)
 
     def _batch_hook(self, module: torch.nn.Module, batch_dim: int, seq_dim: Optional[int]) -> Callable:
         """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's

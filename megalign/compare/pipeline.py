@@ -17,6 +17,7 @@ from megalign.compare.entries import Source
 from megalign.compare.execution import Execution
 from megalign.compare.judge import Rules, judge_kinds
 from megalign.compare.lineup import line_up
+from megalign.compare.objective import on_objective_scale
 from megalign.compare.matching import Pair, match_entries
 from megalign.compare.records import NOT_REASSEMBLABLE, SKIPPED, Allowances, Report, Row, Summary
 from megalign.compare.reference import check_reference
@@ -38,6 +39,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
     a, b, reference = share_steps(a, b, reference)  # a training loop's dumps: the steps all hold
     a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
+    a, b, reference = on_objective_scale(a, b, reference)  # activation gradients: by each run's reduction
     pattern, skippable, missable = (compile_pattern(option, value) if value else None for option, value in
                                     (("--filter", name_filter), ("--allow-skipped", allow_skipped),
                                      ("--allow-missing", allow_missing)))

@@ -55,6 +55,10 @@ class Sharding:
     sp: bool = False
     dp_dim: Optional[int] = None
     mesh: Optional[MeshPlacement] = None  # a DTensor's piece: the other fields are then unset
+    # "sum" or "mean": every rank holds a partial value of the tensor (a per-rank loss, the gradient of
+    # an output every row shares), the whole being their sum or mean over the ranks that hold other
+    # data. Given to add(); the Dumper records it as a mesh piece (dump/partial.py), never as itself.
+    partial: Optional[str] = None
 
     def to_dict(self) -> dict:
         axes = {"seq_dim": self.seq_dim, "tp_dim": self.tp_dim, "tp_parts": self.tp_parts, "sp": self.sp,

@@ -87,7 +87,8 @@ model = torch.nn.parallel.DistributedDataParallel(net, device_mesh=mesh["dp"])
 model.register_comm_hook(dp_group, allreduce_sum)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-dumper = megalign.Dumper.from_env(params=True, dp_group=None if args.no_dp_group else mesh["dp"])
+# The comm hook sums: said, since the Dumper cannot read a hook (unknown otherwise).
+dumper = megalign.Dumper.from_env(params=True, dp_group=None if args.no_dp_group else mesh["dp"], grad_reduction="sum")
 dumper.watch(model, batch_dim=0)
 for step in range(2):
     data = torch.Generator().manual_seed(step)

@@ -1,0 +1,74 @@
+"""A user's GPT-2 loop (gpt2_train.py: a model family megalign maps nothing of, its learned position
+embedding's output shared by every row) under torch DDP and FSDP2 at their defaults, which average
+the gradients: with the loss each rank's token-loss sum over the whole batch's count times the world
+size, world 2 agrees with one process as written. The Dumper records each run's reduction
+(dump.json's grad_reduction), and compare divides the activation gradients by it; the position
+embedding's output gradient is each rank's partial sum over its rows. Each planted bug fails where
+it starts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+import megalign
+from tests.conftest import invoke
+from tests.trainer.torchruns import dump_all
+
+SCRIPT = Path(__file__).with_name("gpt2_train.py")
+DDP, FSDP2 = ("--wrap", "ddp"), ("--wrap", "fsdp2")
+INSIDE = ("--clip", "inside")
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> dict[str, Path]:
+    return dump_all(tmp_path_factory.mktemp("gpt2"), SCRIPT, {
+        "ddp1": (1, DDP), "ddp2": (2, DDP), "fsdp1": (1, FSDP2), "fsdp2": (2, FSDP2),
+        "rank_mean": (2, (*DDP, "--bug", "rank-mean")), "unscaled": (2, (*FSDP2, "--bug", "unscaled")),
+        "same_shard": (2, (*DDP, "--bug", "same-shard")),
+        "fsdp1_inside": (1, (*FSDP2, *INSIDE)), "fsdp2_inside": (2, (*FSDP2, *INSIDE)),
+        "local_clip_inside": (2, (*FSDP2, *INSIDE, "--bug", "local-clip"))})
+
+
+@pytest.mark.parametrize("one, two, by", [("ddp1", "ddp2", "torch DDP"), ("fsdp1", "fsdp2", "FSDP2")])
+def test_averaged_gradients_at_world_2_equal_one_process(dumps, one, two, by):
+    assert json.loads((dumps[two] / "dump.json").read_text())["grad_reduction"] == {
+        "divide_by": 2.0, "by": f"{by}, mean of 2 ranks"}
+    result = invoke("compare", dumps[one], dumps[two])
+    assert result.exit_code == 0, result.output
+    assert f"grads summed ({by}, one rank)" in result.output
+    assert f"grads /2 ({by}, mean of 2 ranks): act grads /2" in result.output
+    assert re.search(r"act_grad +step2/transformer.wpe +1x8x32 .* PASS", result.output)
+    assert "345 compared, 345 passed, 0 failed\n" in result.output
+
+
+def test_a_shared_outputs_gradient_is_a_partial_sum_and_the_loss_a_partial_mean(dumps):
+    """GPT-2's position embedding output [1, s, d]: a replica forward, each rank's sum over its rows backward."""
+    two = megalign.open(dumps["ddp2"])
+    assert [s.sharding.dp_dim for s in two.shards("activation", "step0/transformer.wpe")] == [None, None]
+    assert [s.sharding.mesh.placements for s in two.shards("activation_grad", "step0/transformer.wpe")] == \
+        [("R", "P", "P", "R")] * 2
+    one = megalign.open(dumps["ddp1"])
+    assert two.tensor("loss", "step1/loss").item() == pytest.approx(one.tensor("loss", "step1/loss").item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("bug, one, first", [
+    ("rank_mean", "ddp1", "loss step0/loss"),  # each rank's own mean over its uneven mask
+    ("unscaled", "fsdp1", "loss step0/loss"),  # averaged, but the loss not times the world size
+    ("same_shard", "ddp1", "activation step0/transformer.wte"),  # both ranks on the first rank's rows
+    ("local_clip_inside", "fsdp1_inside", "param_grad step0/transformer.wte.weight"),  # the local shard's norm
+])
+def test_each_planted_bug_fails_where_it_starts(dumps, bug, one, first):
+    result = invoke("compare", dumps[one], dumps[bug])
+    assert result.exit_code == 1, result.output
+    assert f"first divergence: {first}\n" in result.output
+
+
+def test_a_clip_inside_the_step_block_agrees_with_one_process(dumps):
+    """The twin of local_clip_inside's reference: clip_grad_norm_ over FSDP2's DTensors, inside step()."""
+    result = invoke("compare", dumps["fsdp1_inside"], dumps["fsdp2_inside"])
+    assert result.exit_code == 0, result.output
