@@ -83,7 +83,7 @@ def in_memory(load: Callable[[RankCoords], torch.Tensor]) -> Read:
     whose blocks are copied into place."""
 
     def read(coords: RankCoords, piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
-        tensor = load(coords).detach()  # sglang's dumper saves activations that required grad as they were
+        tensor = load(coords)
         for local, where in _blocks(piece, list(tensor.shape), window):
             _narrow(out, where).copy_(_narrow(tensor, local))
 

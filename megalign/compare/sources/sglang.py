@@ -43,6 +43,7 @@ from megalign.compare.sources.sglang_dims import (Sharded, parallel_info, parse_
 from megalign.compare.steps import step_name
 from megalign.dump.format import layer_of, repeat_name
 from megalign.dump.megatron_params import gated_linear, tp_dim_by_name
+from megalign.dump.tensorfile import content_hash
 from megalign.errors import UserError
 
 _REQUIRED = ("step", "rank", "dump_index", "name")
@@ -189,7 +190,7 @@ def _load(file: _File) -> torch.Tensor:
     value, _ = unwrap(load_pt(file.path))
     if not isinstance(value, torch.Tensor):
         raise UserError(f"{file.path}: no longer holds a tensor")
-    return value
+    return value.detach()  # sglang's dumper saves activations that required grad as they were
 
 
 def _dims(file: _File) -> Optional[str]:
@@ -257,15 +258,17 @@ def _reassemble(files: list[_File]) -> Value:
 
 
 def _assembled(files: list[_File], infos: list[dict], split: Sharded) -> Value:
-    """The tensor put together by its plan, each rank's file read when the plan reaches it; the first
-    rank (in rank order) of each place is placed, the others are its replicas."""
+    """The tensor put together by its plan; the first rank (in rank order) of each place is placed, the
+    others are its replicas. Each shard's bytes are hashed, as megalign's run hashes them, so that a
+    bit-identical replica has no gap, as in a megalign dump."""
+    tensors = {f.rank: _load(f) for f in files}
     ordered = sorted(zip(files, infos), key=lambda pair: pair[0].rank)
-    plan = place([Holder(coords=rank_coords(f.rank, info), at=split.at(info), shape=f.shape)
+    plan = place([Holder(coords=rank_coords(f.rank, info), at=split.at(info), shape=f.shape,
+                         digest=(content_hash(tensors[f.rank].contiguous()), str(f.dtype)))
                   for f, info in ordered], split.splits, split.summed)
-    by_rank = {f.rank: f for f in files}
-    first = by_rank[plan.pieces[0].coords.rank]
+    first = tensors[plan.pieces[0].coords.rank]
     value = Value(shape=list(plan.shape), dtype=_dtype_name(first.dtype))
-    return execute(plan, in_memory(lambda coords: _load(by_rank[coords.rank])), value, first.dtype)
+    return execute(plan, in_memory(lambda coords: tensors[coords.rank]), value, first.dtype)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
