@@ -1,7 +1,12 @@
-"""Where each shard of a megalign dump's tensor goes in the whole: a plan, plain data worked out from
-the records and the layout alone (nothing is read); reassemble.py carries it out.
+"""Where each shard of a tensor goes in the whole: a plan, plain data worked out from the records and
+the layout alone (nothing is read); reassemble.py carries it out.
 
-Each shard's place is worked out per dim, as runs of local positions that land on consecutive global
+Every format's shards come here as `Holder`s (a rank's place on each axis, its shape) and the axes
+its tensor is split on as `Split`s; `place` works out the plan. megalign dumps (make_plan) name their
+axes from the record's sharding and the layout; sglang dumps from their dims (sources/sglang_dims.py),
+which may also sum ranks' pieces (`partial`, the plan's terms).
+
+For a megalign dump, each shard's place is worked out per dim, as runs of local positions that land on consecutive global
 ones: along tp_dim, TP shards in tp_rank order (fused tensors, tp_parts, part by part); along the
 sequence dim, SP pieces in tp_rank order within their CP rank's piece, then the CP zigzag undone
 (document by document in a packed row, at the dump's bounds); along dp_dim, DP ranks in order. On an
@@ -84,12 +89,15 @@ class Plan:
     splits: tuple[Split, ...]
     pieces: tuple[Piece, ...]
     mesh: Optional[MeshPlacement] = None  # a DTensor's: its pieces lie at their own offsets
+    summed: tuple[str, ...] = ()  # the axes whose ranks' pieces are added (sglang's `partial`)
 
     def explain(self) -> list[str]:
         """The plan as lines: the split, then every rank, in rank order: where its piece goes, or
         whose replica it is."""
         splits = _mesh_text(self.mesh) if self.mesh else \
             ", ".join(_split_text(s) for s in self.splits) or "not split: every rank holds all of it"
+        if self.summed:
+            splits += f"; partial pieces summed over {', '.join(self.summed)}"
         count = len(self.pieces)
         lines = [f"{_shape_text(self.shape)} from {count} piece{'' if count == 1 else 's'} of "
                  f"{_shape_text(self.shard_shape)}; {splits}"]
@@ -122,34 +130,65 @@ def make_plan(shards: list[Shard], layout: Layout,
     cut for the CP split (reader.Dump.cp_bounds), None for a whole row."""
     if any(s.record.sharding.mesh for s in shards):
         return _mesh_plan(shards)
-    same_shape(tuple(s.record.shape) for s in shards)
-    splits = _splits(shards[0].record, layout)
-    split_axes = {s.axis for s in splits}
-    split_tp, split_cp, split_dp = bool(split_axes & {"TP", "SP"}), "CP" in split_axes, "DP" in split_axes
-    placed: dict[tuple[int, int, int], tuple[Shard, list[Shard]]] = {}
-    for shard in sorted(shards, key=lambda s: (s.rank.coords.dp_rank, s.rank.coords.cp_rank, s.rank.coords.tp_rank)):
-        c = shard.rank.coords
-        key = (c.tp_rank if split_tp else 0, c.cp_rank if split_cp else 0, c.dp_rank if split_dp else 0)
-        if key in placed:
-            placed[key][1].append(shard)
-        else:
-            placed[key] = (shard, [])
-    expected = 1
-    for split in splits:
-        expected *= split.size
-    if len(placed) != expected:
-        axes = " x ".join(f"{s.size} {'TP' if s.axis == 'SP' else s.axis}" for s in splits)
-        raise Unassemblable(f"has {len(placed)} of the {expected} shards its split ({axes}) makes")
-    shape, first = full_shape(shards, layout), shards[0].record
-    if len(placed) * math.prod(first.shape) != math.prod(shape):  # ranks that claim the same coordinates
-        raise Unassemblable(f"has shards of {_shape_text(first.shape)} that do not make up its "
+    ordered = sorted(shards, key=lambda s: (s.rank.coords.dp_rank, s.rank.coords.cp_rank, s.rank.coords.tp_rank))
+    plan = place([Holder(coords=c, at={"TP": c.tp_rank, "SP": c.tp_rank, "CP": c.cp_rank, "DP": c.dp_rank},
+                         shape=tuple(s.record.shape), digest=_digest(s.record), bounds=row_bounds(c.dp_rank))
+                  for s in ordered for c in [s.rank.coords]], _splits(shards[0].record, layout))
+    shape = full_shape(shards, layout)
+    if math.prod(plan.shape) != math.prod(shape):  # ranks that claim the same coordinates, counted in the shape
+        raise Unassemblable(f"has shards of {_shape_text(plan.shard_shape)} that do not make up its "
                             f"{_shape_text(shape)} (ranks that claim the same place)")
-    pieces = tuple(Piece(coords=shard.rank.coords,
-                         runs=_runs(shard, layout, splits, row_bounds(shard.rank.coords.dp_rank)),
-                         replicas=tuple(Replica(r.rank.coords, read=not _same_content(shard, r)) for r in replicas))
-                   for shard, replicas in placed.values())
-    return Plan(shape=tuple(shape), shard_shape=tuple(first.shape), splits=splits,
-                pieces=pieces)
+    return plan
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One rank's shard as a plan sees it, whatever the format: who holds it, its rank on each axis
+    the splits and sums name, its shape, what its bytes are where the run recorded a hash, and where
+    its row was cut for a zigzag split (None: a whole row)."""
+
+    coords: RankCoords
+    at: dict[str, int]
+    shape: tuple[int, ...]
+    digest: Optional[tuple[str, str]] = None
+    bounds: Optional[tuple[int, ...]] = None
+
+
+def place(holders: list[Holder], splits: tuple[Split, ...], summed: tuple[tuple[str, int], ...] = ()) -> Plan:
+    """The plan of shards split on `splits` (on one dim, innermost first) and summed over the ranks
+    of `summed` ((axis, size): partial pieces): holders of one place (the same rank on every split
+    axis) make its sum, and the sums beyond the first are its replicas. The first holder of each
+    place, in the order given, is placed."""
+    same_shape(h.shape for h in holders)
+    for split in splits:
+        outside = sorted({h.at[split.axis] for h in holders} - set(range(split.size)))
+        if outside:
+            raise Unassemblable(f"has {split.axis} ranks {outside} outside its {split.size}")
+    places: dict[tuple[int, ...], dict[tuple[int, ...], list[Holder]]] = {}
+    for holder in holders:
+        key = tuple(holder.at[s.axis] for s in splits)
+        places.setdefault(key, {}).setdefault(tuple(holder.at[axis] for axis, _ in summed), []).append(holder)
+    expected = math.prod(s.size for s in splits)
+    if len(places) != expected:
+        axes = " x ".join(f"{s.size} {'TP' if s.axis == 'SP' else s.axis}" for s in splits)
+        raise Unassemblable(f"has {len(places)} of the {expected} shards its split ({axes}) makes")
+    terms = math.prod(size for _, size in summed)
+    pieces = []
+    for by_term in places.values():
+        copies = {len(group) for group in by_term.values()}
+        if len(by_term) != terms or len(copies) != 1:
+            raise Unassemblable(f"has {len(by_term)} of the {terms} partial pieces summed, or as many copies of each")
+        # The i-th holder of every term makes the i-th sum: the first is placed, the others are its replicas.
+        sums = [[by_term[t][i] for t in sorted(by_term)] for i in range(copies.pop())]
+        first = sums[0]
+        pieces.append(Piece(coords=first[0].coords, runs=_runs(first[0], splits), terms=tuple(h.coords for h in first[1:]),
+                            replicas=tuple(Replica(copy[0].coords, read=not all(_same_digest(a.digest, b.digest) for a, b in zip(first, copy)),
+                                                   terms=tuple(h.coords for h in copy[1:])) for copy in sums[1:])))
+    shape = list(holders[0].shape)
+    for split in splits:
+        shape[split.dim] *= split.size
+    return Plan(shape=tuple(shape), shard_shape=holders[0].shape, splits=splits, pieces=tuple(pieces),
+                summed=tuple(axis for axis, _ in summed))
 
 
 def _mesh_plan(shards: list[Shard]) -> Plan:
@@ -181,7 +220,7 @@ def _mesh_plan(shards: list[Shard]) -> Plan:
         runs = tuple((d, (Run(0, start, size),)) for d, (start, size) in enumerate(zip(offset, shape))
                      if size != mesh.whole[d])
         pieces.append(Piece(coords=placed[0].rank.coords, runs=runs, terms=tuple(s.rank.coords for s in placed[1:]),
-                            replicas=tuple(Replica(copy[0].rank.coords, read=not all(map(_same_content, placed, copy)),
+                            replicas=tuple(Replica(copy[0].rank.coords, read=not _same_bytes(placed, copy),
                                                    terms=tuple(s.rank.coords for s in copy[1:])) for copy in copies)))
     _check_tiling(boxes, mesh.whole)
     return Plan(shape=mesh.whole, shard_shape=tuple(shards[0].record.shape), splits=(), pieces=tuple(pieces),
@@ -212,25 +251,35 @@ def _splits(record: TensorRecord, layout: Layout) -> tuple[Split, ...]:
     return tuple(splits)
 
 
-def _runs(shard: Shard, layout: Layout, splits: tuple[Split, ...],
-          bounds: Optional[tuple[int, ...]]) -> tuple[tuple[int, tuple[Run, ...]], ...]:
-    shape, c = shard.record.shape, shard.rank.coords
+def _runs(holder: Holder, splits: tuple[Split, ...]) -> tuple[tuple[int, tuple[Run, ...]], ...]:
+    """Where a holder's positions go along each split dim: its own runs carried outward split by
+    split, from the innermost piece (the shard) to the whole."""
     runs: dict[int, list[Run]] = {}
+    pieces: dict[int, int] = {}  # the size of the piece reached so far along each dim
     for split in splits:
-        if split.axis == "SP":
-            size = shape[split.dim]
-            runs[split.dim] = [Run(0, c.tp_rank * size, size)]  # within this CP rank's piece
-        elif split.axis == "TP":
-            size = shape[split.dim] // split.parts
-            runs[split.dim] = [Run(p * size, (p * layout.tp + c.tp_rank) * size, size) for p in range(split.parts)]
-        elif split.axis == "CP":
-            piece = shape[split.dim] * (layout.tp if shard.record.sharding.sp else 1)
-            positions = cp_positions(cp_bounds(bounds, piece, layout.cp), c.cp_rank, layout.cp).tolist()
-            runs[split.dim] = _through(runs.get(split.dim, [Run(0, 0, shape[split.dim])]), positions)
+        inner = pieces.get(split.dim, holder.shape[split.dim])
+        local = runs.get(split.dim, [Run(0, 0, inner)])
+        rank = holder.at[split.axis]
+        if split.zigzag:
+            runs[split.dim] = _through(local, cp_positions(cp_bounds(holder.bounds, inner, split.size), rank,
+                                                           split.size).tolist())
         else:
-            size = shape[split.dim]
-            runs[split.dim] = [Run(0, c.dp_rank * size, size)]
+            runs[split.dim] = _outward(local, inner // split.parts, split.size, rank)
+        pieces[split.dim] = inner * split.size
     return tuple((dim, tuple(runs[dim])) for dim in sorted(runs))
+
+
+def _outward(runs: list[Run], part: int, size: int, rank: int) -> list[Run]:
+    """Runs within a rank's piece carried into the whole of `size` such pieces laid side by side part
+    by part (one part: the rank's piece is the rank-th; fused tensors: each of its parts is)."""
+    moved = []
+    for local, start, length in runs:
+        while length:
+            index, offset = divmod(start, part)
+            n = min(length, part - offset)
+            moved.append(Run(local, (index * size + rank) * part + offset, n))
+            local, start, length = local + n, start + n, length - n
+    return moved
 
 
 def _through(runs: list[Run], positions: list[int]) -> list[Run]:
@@ -245,10 +294,18 @@ def _through(runs: list[Run], positions: list[int]) -> list[Run]:
     return mapped
 
 
-def _same_content(shard: Shard, replica: Shard) -> bool:
-    """The run recorded the same bytes for both (dump.format's hash): the replica need not be read."""
-    a, b = shard.record, replica.record
-    return a.hash is not None and a.hash == b.hash and a.dtype == b.dtype
+def _digest(record: TensorRecord) -> Optional[tuple[str, str]]:
+    """The bytes the run recorded for a record (dump.format's hash, with its dtype), None without one."""
+    return None if record.hash is None else (record.hash, record.dtype)
+
+
+def _same_digest(a: Optional[tuple[str, str]], b: Optional[tuple[str, str]]) -> bool:
+    """The run recorded the same bytes for both: the replica need not be read."""
+    return a is not None and a == b
+
+
+def _same_bytes(placed: list[Shard], copy: list[Shard]) -> bool:
+    return all(_same_digest(_digest(a.record), _digest(b.record)) for a, b in zip(placed, copy))
 
 
 def full_shape(shards: list[Shard], layout: Layout) -> list[int]:

@@ -1,10 +1,11 @@
-"""Carry out a plan (plan.py): put one tensor of a megalign dump back together from the shards of all
-ranks that hold it.
+"""Carry out a plan (plan.py): put one tensor back together from the shards of all ranks that hold it.
+A format gives `execute` a Read: megalign dumps read each shard from its file in place (reassemble),
+sglang dumps copy from the tensors their files hold (in_memory).
 
 The full tensor is allocated once (in the caller's buffer when given: verdict.py reuses them) and
 every placed shard is read from its file straight into its place, one positioned read per block,
 where the block is contiguous on both sides; otherwise the shard is read whole and copied block by
-block. A DTensor's partial pieces (the plan's terms) are read into a scratch tensor and added in
+block. Partial pieces (the plan's terms: a DTensor's, sglang's `partial`) are read into a scratch tensor and added in
 place, in rank order. A replica the plan says to read is read (and summed) into the same place of a
 scratch tensor and measured against the placed values as a ReplicaGap. Stats-only records are
 combined with TensorStats.combine over the placed shards; partial sums cannot be, and say so.
@@ -14,14 +15,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from megalign.compare.entries import ReplicaGap, Value, Window
 from megalign.compare.fused import Sums
 from megalign.compare.metrics import pair_sums
-from megalign.compare.plan import Piece, Plan, Shard, Unassemblable, full_shape, make_plan, same_shape
+from megalign.compare.plan import Piece, Plan, Shard, Unassemblable, full_shape, make_plan
+from megalign.dump.format import RankCoords
 from megalign.dump.reader import Dump
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import read_into
@@ -51,15 +53,41 @@ def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] =
             return value
         value.stats = TensorStats.combine(by_rank[p.coords.rank].record.stats for p in plan.pieces)
         return value
-    dtype = dump.locate(shards[0].rank, first).dtype
+
+    def read(coords: RankCoords, piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
+        _read_piece(dump, by_rank[coords.rank], piece, out, window)
+
+    return execute(plan, read, value, dump.locate(shards[0].rank, first).dtype, buffer, window)
+
+
+# Puts one rank's shard's blocks of a piece in their places in `out` (a window of the whole, where given).
+Read = Callable[[RankCoords, Piece, torch.Tensor, Optional[Window]], None]
+
+
+def execute(plan: Plan, read: Read, value: Value, dtype: torch.dtype, buffer: Optional[torch.Tensor] = None,
+            window: Optional[Window] = None) -> Value:
+    """Carry out `plan` into `value` (whose shape is the whole's): every piece read (and its partial
+    terms added) in place, every replica the plan says to read measured against it."""
     shape = value.shape if window is None else [stop - start for start, stop in window] + value.shape[len(window):]
     full = _allocate(shape, dtype, buffer)
     for piece in plan.pieces:
-        _read_sum(dump, [by_rank[c.rank] for c in (piece.coords, *piece.terms)], piece, full, window)
-    value.replicas = [_replica_gap(dump, piece, [by_rank[c.rank] for c in (replica.coords, *replica.terms)], full, window)
+        _read_sum(read, plan, (piece.coords, *piece.terms), piece, full, window)
+    value.replicas = [_replica_gap(read, plan, piece, (replica.coords, *replica.terms), full, window)
                       for piece in plan.pieces for replica in piece.replicas if replica.read]
     value.tensor = full
     return value
+
+
+def in_memory(load: Callable[[RankCoords], torch.Tensor]) -> Read:
+    """The Read of shards a format holds whole in memory (sglang's .pt files): `load` gives a rank's,
+    whose blocks are copied into place."""
+
+    def read(coords: RankCoords, piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
+        tensor = load(coords)
+        for local, where in _blocks(piece, list(tensor.shape), window):
+            _narrow(out, where).copy_(_narrow(tensor, local))
+
+    return read
 
 
 def _allocate(shape: list[int], dtype: torch.dtype, buffer: Optional[torch.Tensor]) -> torch.Tensor:
@@ -116,34 +144,26 @@ def _read_piece(dump: Dump, shard: Shard, piece: Piece, out: torch.Tensor, windo
         dst.copy_(_narrow(span, [(d, start - first if d == 0 else start, n) for d, start, n in local]))
 
 
-def _read_sum(dump: Dump, shards: list[Shard], piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
-    """Read the first shard into `out` at `piece`'s blocks, and add the others (Partial terms) there."""
-    _read_piece(dump, shards[0], piece, out, window)
-    if len(shards) == 1:
+def _read_sum(read: Read, plan: Plan, ranks: tuple[RankCoords, ...], piece: Piece, out: torch.Tensor,
+              window: Optional[Window]) -> None:
+    """Read the first rank's shard into `out` at `piece`'s blocks, and add the others' (partial terms) there."""
+    read(ranks[0], piece, out, window)
+    if len(ranks) == 1:
         return
     scratch = torch.empty_like(out)
-    for shard in shards[1:]:
-        _read_piece(dump, shard, piece, scratch, window)
-        for _, where in _blocks(piece, shard.record.shape, window):
+    for coords in ranks[1:]:
+        read(coords, piece, scratch, window)
+        for _, where in _blocks(piece, list(plan.shard_shape), window):
             _narrow(out, where).add_(_narrow(scratch, where))
 
 
-def _replica_gap(dump: Dump, piece: Piece, replica: list[Shard], out: torch.Tensor,
+def _replica_gap(read: Read, plan: Plan, piece: Piece, replica: tuple[RankCoords, ...], out: torch.Tensor,
                  window: Optional[Window]) -> ReplicaGap:
     """How far a replica (with its partial terms) is from the values placed for the piece it copies:
     read into the same place of a scratch tensor and compared block by block."""
     scratch = torch.empty_like(out)
-    _read_sum(dump, replica, piece, scratch, window)
+    _read_sum(read, plan, replica, piece, scratch, window)
     total = Sums()
-    for _, where in _blocks(piece, replica[0].record.shape, window):
+    for _, where in _blocks(piece, list(plan.shard_shape), window):
         total.add(pair_sums(_narrow(scratch, where), _narrow(out, where)), 0)
-    return ReplicaGap(ranks=f"rank {replica[0].rank.coords.rank} vs rank {piece.coords.rank}", sums=total)
-
-
-def first_replica(replicas: list[tuple[int, torch.Tensor]], gaps: list[ReplicaGap]) -> torch.Tensor:
-    """The first of (rank, tensor) replicas, after recording how far the others are from it (sglang.py)."""
-    same_shape(tuple(getattr(r, "shape", ())) for _, r in replicas)
-    rank, first = replicas[0]
-    gaps.extend(ReplicaGap(ranks=f"rank {other_rank} vs rank {rank}", sums=pair_sums(other, first))
-                for other_rank, other in replicas[1:] if not torch.equal(other, first))
-    return first
+    return ReplicaGap(ranks=f"rank {replica[0].rank} vs rank {piece.coords.rank}", sums=total)

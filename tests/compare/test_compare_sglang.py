@@ -121,3 +121,45 @@ def test_sglang_dump_of_the_loss_bug_fails(dump, sglang_dump, tmp_path):
 def test_sglang_vs_sglang(dump, sglang_dump, tmp_path):
     assert invoke("compare", sglang_dump(dump(*CP1)), sglang_dump(dump(*CP2))).exit_code == 0
     assert invoke("compare", sglang_dump(dump(*CP2)), sglang_dump(dump(*CP2_LOCAL))).exit_code == 1
+
+
+def earlier_naming(folder, target, with_order=True):
+    """A copy of an sglang dump as sglang's earlier dumper wrote it: files named
+    `forward_pass_id=F___rank=R___name=X___dump_index=N.pt` (passes counted from 1) holding the bare
+    value; its earliest wrote `forward_pass_id=F___name=X.pt` only (with_order=False)."""
+    target.mkdir()
+    for file in sorted(folder.glob("*/*.pt")):
+        tags = dict(part.split("=", 1) for part in file.stem.split("___"))
+        kept = {"forward_pass_id": int(tags["step"]) + 1, "rank": tags["rank"], "name": tags["name"],
+                "dump_index": tags["dump_index"]}
+        if not with_order:
+            kept = {key: kept[key] for key in ("forward_pass_id", "name")}
+        name = "___".join(f"{key}={value}" for key, value in kept.items()) + ".pt"
+        torch.save(torch.load(file, weights_only=True)["value"], target / name)
+    return target
+
+
+def test_the_earlier_dumper_naming_is_read(dump, sglang_dump, tmp_path):
+    """Files named with forward_pass_id (the step) and holding the bare tensor give the report of the
+    same tensors named as today's dumper names them; a tensor changed in them is the first divergence."""
+    today = sglang_dump(dump(*CP1))
+    earlier = earlier_naming(today, tmp_path / "earlier")
+    result, rows, s = summary(tmp_path, dump(*CP2), earlier)
+    assert result.exit_code == 0, result.output
+    _, today_rows, _ = summary(tmp_path, dump(*CP2), today)
+    assert [(r["kind"], r["name"], r["status"]) for r in rows] == \
+        [(r["kind"], r["name"], r["status"]) for r in today_rows]
+    assert s["passed"] > 40 and s["missing_a"] == s["missing_b"] == 0, s
+    # The twin: one layer's output scaled in the earlier files.
+    (file,) = earlier.glob("*___name=decoder.layers.1___*.pt")
+    torch.save(torch.load(file, weights_only=True) * 1.01, file)
+    twin, _, s = summary(tmp_path, dump(*CP2), earlier)
+    assert twin.exit_code == 1 and s["first_divergence"] == "activation decoder.layers.1", s["first_divergence"]
+
+
+def test_the_earliest_dumper_naming_is_refused_saying_why(dump, sglang_dump, tmp_path):
+    earliest = earlier_naming(sglang_dump(dump(*CP1)), tmp_path / "earliest", with_order=False)
+    result = invoke("compare", dump(*CP2), earliest)
+    assert result.exit_code == 2, result.output
+    (line,) = [line for line in result.output.splitlines() if "earliest" in line]
+    assert "does not record the order the tensors were dumped in" in line
