@@ -6,8 +6,10 @@
             model(x).sum().backward()
         dumper.add("loss", "loss", loss)     # anything else, with its sharding where it is split
 
-megalign's own workers (stacks/megatron/worker.py, stacks/hf/worker.py) write through this class
-too, with `add` and the sharding they infer. Each rank writes through writer.py's RankWriter, into
+What a watched model's tensors are named, how they are split, where its gradients are read: its
+framework's adapter says (capture/adapter.py; megatron_adapter.py, torch_adapter.py); the Dumper
+keeps the steps, the writing and the landing. megalign's own workers (stacks/megatron/worker.py,
+stacks/hf/worker.py) write through this class too, with `add` and the sharding they infer. Each rank writes through writer.py's RankWriter, into
 the staging folder of landing.py (OUT.partial, claimed exclusively), renamed to OUT by rank 0 at
 close once every rank's manifest is written, with dump.json (meta.py). A failure inside the `with`
 block removes the staging folder: OUT never holds half a dump. A megalign run's launcher claims
