@@ -4,9 +4,9 @@ After `finalize_model_grads`, `.grad` is None and each `param.main_grad` is a vi
 `grad_data`. With the distributed optimizer only this rank's 1/(DP*CP) shard of each bucket holds
 reduced values; the rest holds the rank's own unreduced gradient. The full gradient is each
 rank's shard, all-gathered into a fresh tensor (never into `grad_data`: the user's code after the
-step, clipping included, must see the buffer as DDP left it). megalign's megatron worker reads
-its gradients here too (stacks/megatron/grads.py), and decides as the Dumper does whether a rank
-holds one (held_gradients). Duck-typed, so that the Dumper imports no megatron.
+step, clipping included, must see the buffer as DDP left it). Read through megatron_adapter.read_grads
+by the Dumper and megalign's megatron worker alike, which decide whether a rank holds one by
+held_gradients. Duck-typed, so that the Dumper imports no megatron.
 """
 
 from __future__ import annotations
@@ -102,8 +102,10 @@ def gathered_grads(ddp: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, t
             yield param, full[start:end].view(param.shape)
 
 
-def shard_grads(ddp: torch.nn.Module) -> dict:
-    """param -> its `main_grad`, for the parameters that lie wholly in this rank's shard of their
-    bucket: what reading the shard alone gives (megalign's `--grad-source shard`, a classic mistake)."""
-    return {param: param.main_grad for bucket, _, mine in _shards(ddp)
-            for param, (start, end) in bucket.param_to_index.items() if mine.start <= start and end <= mine.stop}
+def shard_grads(ddp: torch.nn.Module) -> Iterator[tuple[torch.nn.Parameter, Optional[torch.Tensor]]]:
+    """(param, its `main_grad` where it lies wholly in this rank's shard of its bucket, else None) for
+    every parameter: what reading the shard alone gives (megalign's `--grad-source shard`, a classic
+    mistake)."""
+    for bucket, _, mine in _shards(ddp):
+        for param, (start, end) in bucket.param_to_index.items():
+            yield param, param.main_grad if mine.start <= start and end <= mine.stop else None

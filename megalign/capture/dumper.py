@@ -6,8 +6,10 @@
             model(x).sum().backward()
         dumper.add("loss", "loss", loss)     # anything else, with its sharding where it is split
 
-megalign's own workers (stacks/megatron/worker.py, stacks/hf/worker.py) write through this class
-too, with `add` and the sharding they infer. Each rank writes through writer.py's RankWriter, into
+What a watched model's tensors are named, how they are split, where its gradients are read: its
+framework's adapter says (capture/adapter.py; megatron_adapter.py, torch_adapter.py); the Dumper
+keeps the steps, the writing and the landing. megalign's own workers (stacks/megatron/worker.py,
+stacks/hf/worker.py) write through this class too, with `add` and the sharding they infer. Each rank writes through writer.py's RankWriter, into
 the staging folder of landing.py (OUT.partial, claimed exclusively), renamed to OUT by rank 0 at
 close once every rank's manifest is written, with dump.json (meta.py). A failure inside the `with`
 block removes the staging folder: OUT never holds half a dump. A megalign run's launcher claims
@@ -28,7 +30,6 @@ MEGALIGN_DUMP_STEPS picks the steps; unset, a NullDumper that installs nothing.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import operator
 import os
 import time
@@ -40,24 +41,21 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 
-from megalign.capture.coverage import collective_device, read_grad
-from megalign.capture.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
-                                     megatron_state, sharded, tp_group)
+from megalign.capture import megatron_adapter, torch_adapter
+from megalign.capture.adapter import Adapter, Sink, View
+from megalign.capture.coverage import collective_device
 from megalign.capture.dtensor import is_dtensor, local_piece
 from megalign.capture.hooks import Hooks
+from megalign.capture.rows import RowLog, rows_meta
+from megalign.capture.steps import Steps, choose_steps
 from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, Stated, check_stated
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
-from megalign.dump.layout import CP_SPLITS, Layout, padded_rows
-from megalign.capture.megatron_hooks import hook_megatron_model
-from megalign.capture.megatron_names import global_name, is_duplicate_embedding
-from megalign.capture.megatron_outputs import LocalShape, View, is_megatron_model, is_router, packed_row, routing_choices
+from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
 from megalign.dump.meta import dump_meta
-from megalign.capture.rows import RowLog, rows_meta
-from megalign.dump.partial import check_partial, partial_piece, shared_output_grad
+from megalign.dump.partial import check_partial, partial_piece
 from megalign.dump.sharding import Sharding
-from megalign.capture.steps import Steps, choose_steps
 from megalign.dump.writer import RankWriter, check_storable
 from megalign.errors import UserError
 
@@ -119,18 +117,16 @@ class Dumper:
             self._on_rank_zero(claim_out)
         self._folder = staging_dir(self.out) if claim else self.out  # where the ranks write
         self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only, name_filter=name_filter)
-        self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
-        self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
+        # parameter name -> the parameter, of watched modules, and the adapter of the model it is in
+        self._watched: dict[str, tuple[torch.nn.Parameter, Adapter]] = {}
         self._hooks = Hooks()
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules whose outputs are watched (a model may go)
-        self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
         # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
         # padded rows where watch() was given seq_dim; every DP rank's, gathered at close (rows.py).
         self._row_log = RowLog()
         self._row_logs: dict[int, RowLog] = {}
         self._step_now: Optional[int] = None
         self._packed = False
-        self._seq_len: Optional[int] = None  # tokens a row of the watched module's input, where seq_dim is given
         self._cp_split = "document"
         self._steps: list[int] = []
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
@@ -287,34 +283,10 @@ class Dumper:
 
     def _watch(self, module: torch.nn.Module, prefix: str, batch_dim: Optional[int], outputs: bool, cp_split: str,
                seq_dim: Optional[int]) -> None:
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            self._check_group(module.process_group)
-            module = module.module  # plain .grad, all-reduced: replicas over the DP group
-        if is_megatron_ddp(module):
-            self._ddps.append(module)
-            module = module.module  # names as the model's own, without DDP's `module.`
-        else:
-            self._ddps.extend(filter(None, [find_megatron_ddp(module)]))
-        megatron = is_megatron_model(module)
-        if outputs and not megatron and (self.layout.tp > 1 or self.layout.cp > 1):
-            # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
-            raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
-                                      "add() each tensor with its megalign.Sharding")
-        if outputs and not megatron and _tensor_parallel(module):
-            # Its outputs are local pieces (parallelize_module hands them on as plain tensors, placement
-            # dropped): read as replicas or as the batch split, they would be put back together wrong.
-            raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module): its "
-                                      "outputs carry no placement; watch(model, outputs=False) dumps its parameters "
-                                      "and gradients (DTensors), add() an output with its megalign.Sharding")
-        if megatron and self.layout.pp > 1 and not hasattr(module, "decoder"):
-            # Global layer names are read from the model's decoder: a part of it (its TransformerBlock)
-            # would dump every stage's first layer under one name.
-            raise NotImplementedError("watch() of a part of a megatron-core model split over PP stages: watch the "
-                                      "model (GPTModel, or megatron-core's DDP around it)")
+        adapter, module = _adapter_for(module, self.layout, self._dp_ranks, outputs, batch_dim)
 
         def named(path: str) -> str:
-            """A megatron-core model's layers and experts by their global index (megatron_names.py)."""
-            path = global_name(module, path) if megatron else path
+            path = adapter.name(path)
             return f"{prefix}.{path}" if prefix and path else prefix or path
 
         # Names add() would refuse (check_name) are refused now, not from a hook in the middle of the run.
@@ -322,82 +294,28 @@ class Dumper:
         if outputs:
             _check_names("module", (named(path) for path, _ in module.named_modules() if path))
         for path, param in module.named_parameters():
-            if not (megatron and is_duplicate_embedding(path, param)):
-                self._watched.setdefault(named(path), param)
+            if adapter.dumps_param(path, param):
+                self._watched.setdefault(named(path), (param, adapter))
         if not outputs:
             return
         hooked = [sub for path, sub in module.named_modules() if path]
         if any(sub in self._hooked for sub in hooked):
             raise ValueError("watch(): this model, or a module in it, is watched already: its outputs would be "
                              "dumped twice")
-        if seq_dim is not None and (megatron or batch_dim is None or seq_dim == batch_dim):
-            raise ValueError("seq_dim names the token dim beside batch_dim, of a model other than megatron-core's "
-                             "(whose layout is known)")
-        if not megatron and batch_dim is not None and (self.layout.dp > 1 or seq_dim is not None):
-            # A DP split needs the batch's rows; token tensors, the rows' length and padding.
-            self._hooks.before_call(module, self._batch_hook(module, batch_dim, seq_dim))
         if cp_split not in CP_SPLITS:
             raise ValueError(f"cp_split must be one of {', '.join(CP_SPLITS)}, got {cp_split!r}")
+        adapter.hook(self._hooks, Sink(live=lambda: self._writing, output=self._output, add=self.add, wants=self.wants,
+                                       saw_rows=self._saw_rows, lost_rows=self._lost_rows), named, seq_dim)
         self._cp_split = cp_split
-        rows_split = not megatron and batch_dim is not None and self.layout.dp > 1  # each DP rank its own rows
         self._hooked.update(hooked)
-        if megatron:
-            local, packed = self._megatron_calls(module)
-            hook_megatron_model(self._hooks, module, self._output, local, named=named, packed=packed,
-                                live=lambda: self._writing, router=self._router_tracer(local))
-            return
-        layout_of = self._batch_layout(batch_dim, seq_dim)
-        for path, sub in module.named_modules():
-            if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
-                self._hooks.on_outputs(sub, named(path), self._output_hook(named(path), layout_of(sub), rows_split))
 
-    def _check_group(self, group: dist.ProcessGroup) -> None:
-        """torch DDP averages gradients over `group`: the Dumper's DP ranks must be its ranks, or its
-        replicas would be placed over ranks that hold other values (a false FAIL) or not all of them."""
-        ranks = sorted(dist.get_process_group_ranks(group))
-        if self._dp_ranks is not None and ranks != self._dp_ranks:
-            raise UserError(f"DDP averages gradients over ranks {ranks}, the Dumper's data-parallel group is ranks "
-                            f"{self._dp_ranks}: pass megalign.Dumper(..., dp_group=) the process_group given to DDP")
+    def _saw_rows(self, rows: tuple[BatchRow, ...], packed: bool) -> None:
+        self._packed |= packed
+        self._row_log.saw(self._step_now, rows)
 
-    def _batch_layout(self, batch_dim: Optional[int], seq_dim: Optional[int]) -> Callable:
-        """Any module's outputs: split over DP ranks on `batch_dim`, else replicas; with `seq_dim`,
-        those with the rows' tokens there are token tensors (their batch dim recorded at any DP size)."""
-        def layout_of(sub: torch.nn.Module) -> Callable:
-            def sharding(tensor: torch.Tensor) -> Sharding:
-                if is_dtensor(tensor):
-                    return Sharding()
-                split = (batch_dim is not None and tensor.ndim > batch_dim
-                         and (self.layout.dp > 1 or seq_dim is not None)
-                         and self._batch in (None, tensor.shape[batch_dim]))
-                tokens = seq_dim is not None and tensor.ndim > seq_dim and tensor.shape[seq_dim] == self._seq_len
-                return Sharding(dp_dim=batch_dim if split else None, seq_dim=seq_dim if tokens else None)
-
-            return sharding
-
-        return layout_of
-
-    def _megatron_calls(self, model: torch.nn.Module) -> tuple[Callable[[], LocalShape], Callable[[], bool]]:
-        """A megatron-core model's calls, read before each one: this rank's LocalShape (from its
-        input_ids) and whether its rows are packed (its packed_seq_params, whose row is logged)."""
-        local: list[LocalShape] = []
-        packed: list[bool] = [False]
-
-        def learn(root, args, kwargs) -> None:
-            tokens = args[0] if args else kwargs["input_ids"]
-            local[:] = [LocalShape.of_model(model.config, tokens, self.layout.tp)]
-            params = kwargs.get("packed_seq_params")
-            packed[0] = params is not None
-            if packed[0] and self._writing:
-                row = packed_row(params)
-                self._packed = True
-                if tokens.shape[0] != 1 or tokens.shape[1] * self.layout.cp != row.bounds[-1]:
-                    self._row_log.lose(f"input_ids {list(tokens.shape)} on each of {self.layout.cp} CP ranks is "
-                                       f"not one packed row of the {row.bounds[-1]} tokens cu_seqlens_q_padded ends at")
-                else:
-                    self._row_log.saw(self._step_now, (row,))
-
-        self._hooks.before_call(model, learn)
-        return (lambda: local[0]), (lambda: packed[0])
+    def _lost_rows(self, reason: str, packed: bool) -> None:
+        self._packed |= packed
+        self._row_log.lose(reason)
 
     @contextlib.contextmanager
     def step(self, n: int) -> Iterator[None]:
@@ -457,29 +375,30 @@ class Dumper:
                                "this process's own, with another out)")
 
     def _dump_parameters(self) -> None:
-        names = {id(param): name for name, param in self._watched.items()}
-        grads = {}
-        for ddp in self._ddps:
-            if sharded(ddp):  # a collective: every rank gathers every bucket, watched or not
-                grads.update((names[id(p)], g) for p, g in gathered_grads(ddp) if id(p) in names)
-        grads = {name: grads[name] if name in grads else read_grad(param) for name, param in self._watched.items()}
-        # An all-zero gradient is a missing one, unless another rank of megatron's TP group holds a
-        # nonzero piece of it (held_gradients: the worker's rule). A DTensor's test would be a
+        """Each watched parameter's gradient, read where its adapter says, model by model (in the
+        order watched: collectives in one order on every rank)."""
+        by_adapter: dict[int, tuple[Adapter, dict[str, torch.nn.Parameter]]] = {}
+        for name, (param, adapter) in self._watched.items():
+            by_adapter.setdefault(id(adapter), (adapter, {}))[1][name] = param
+        # An all-zero gradient is a missing one, unless the adapter says another rank vouches for it
+        # (megatron's TP group: held_gradients, the worker's rule). A DTensor's test would be a
         # collective, and a piece may be zero on one rank only: never tested. Stats-only, each one's
         # statistics say so at close (a read-back now would stall a device's queue every step), but
         # not under megatron's TP: the TP ranks decide together, now.
-        tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
         later = self._writer.stats_only and self.layout.tp == self.layout.expert_tp == 1
-        held = [] if later else held_gradients([grads[name] if name in tested else None for name in grads],
-                                               list(self._watched.values()))
-        present = {name: holds for name, holds in zip(grads, held) if name in tested}
-        for name, param in self._watched.items():
-            module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
-            if grads[name] is not None and present.get(name, True):
-                self._record("param_grad", name, grads[name], sharding, module=module,
-                             unless_zero=later and name in tested)
-            if self._params:
-                self.add("param", name, param.detach(), sharding, module=module)
+        for adapter, params in by_adapter.values():
+            grads = adapter.read_grads(params)
+            tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
+            held = [] if later else adapter.held([grads[name] if name in tested else None for name in grads],
+                                                 list(params.values()))
+            present = {name: holds for name, holds in zip(grads, held) if name in tested}
+            for name, param in params.items():
+                module, sharding = name.rpartition(".")[0] or None, adapter.param_sharding(name, param)
+                if grads[name] is not None and present.get(name, True):
+                    self._record("param_grad", name, grads[name], sharding, module=module,
+                                 unless_zero=later and name in tested)
+                if self._params:
+                    self.add("param", name, param.detach(), sharding, module=module)
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
@@ -567,60 +486,10 @@ class Dumper:
         else:
             self.abort()
 
-    def _output_hook(self, name: str, sharding: Callable[[torch.Tensor], Sharding], rows_split: bool = False) -> Callable:
-        """`rows_split`: the DP ranks hold other rows, so that an output not split by rows is a replica
-        whose gradient each rank holds a partial sum of (partial.shared_output_grad)."""
-        def record(module, key, tensor, index):
-            layout = sharding(tensor)
-            grad = shared_output_grad(layout) if rows_split and not is_dtensor(tensor) else None
-            self._output(key, name, tensor, layout, None, grad)
-
-        return record
-
-    def _router_tracer(self, local: Callable[[], LocalShape]) -> Callable[[torch.nn.Module, str], bool]:
-        """A megatron-core router's decisions, as megalign's worker dumps them (kind routing)."""
-        def trace(router: torch.nn.Module, name: str) -> bool:
-            if not is_router(router):
-                return False
-
-            def record(module, inputs, output):
-                if self._writing:
-                    for what, tensor in routing_choices(module, inputs, output).items():
-                        if self.wants("routing", f"{name}.{what}"):
-                            self.add("routing", f"{name}.{what}", tensor, local().seq_sharding(tensor, 0, 1),
-                                     module=name)
-
-            self._hooks.after_call(router, record)
-            return True
-
-        return trace
-
     def _output(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View,
                 grad_sharding: Optional[Sharding] = None) -> None:
         if self._writing:
             self.add_output("activation", key, tensor, sharding, view=view, module=module, grad_sharding=grad_sharding)
-
-    def _batch_hook(self, module: torch.nn.Module, batch_dim: int, seq_dim: Optional[int]) -> Callable:
-        """A pre-hook on the watched root: its first tensor argument's rows on batch_dim are this rank's
-        batch; with `seq_dim`, its tokens a row, and the rows' real tokens (padded_rows) from its
-        attention_mask, passed by name or by position."""
-        mask_of = _argument(module, "attention_mask")
-
-        def read(module, args, kwargs):
-            first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
-            if first is None or first.ndim <= max(batch_dim, seq_dim or 0):
-                return
-            self._batch = first.shape[batch_dim]
-            if seq_dim is not None:
-                self._seq_len = first.shape[seq_dim]
-                if self._writing:
-                    try:
-                        self._row_log.saw(self._step_now, padded_rows(mask_of(args, kwargs), self._batch,
-                                                                      self._seq_len))
-                    except UserError as error:
-                        self._row_log.lose(str(error))
-
-        return read
 
     def _on_rank_zero(self, action: Callable[[], None]) -> None:
         """Run `action` on rank 0, which owns the staging folder; every rank raises if it failed, so
@@ -750,72 +619,31 @@ class NullDumper:
         return None
 
 
-def _argument(module: torch.nn.Module, name: str) -> Callable[[tuple, dict], object]:
-    """Reads the argument `name` of a call of module's forward, given by name or by position
-    (`model(ids, mask)`); None where absent."""
-    try:
-        signature = inspect.signature(module.forward)
-    except (TypeError, ValueError):  # a forward without a signature (a builtin): by name only
-        signature = None
-
-    def read(args: tuple, kwargs: dict) -> object:
-        if signature is not None and args:
-            with contextlib.suppress(TypeError):  # a call forward itself would refuse: by name only
-                return signature.bind_partial(*args, **kwargs).arguments.get(name)
-        return kwargs.get(name)
-
-    return read
-
-
-def _tensor_parallel(module: torch.nn.Module) -> bool:
-    """Whether torch's parallelize_module hooked a submodule: distribute_module marks each module it
-    hooks with `_distribute_module_applied` (private to torch; tests/trainer/test_torch_tp.py finds
-    a real model refused, so a torch that dropped the mark fails there)."""
-    return any(getattr(sub, "_distribute_module_applied", False) for sub in module.modules())
-
-
-def _param_sharding(param: torch.nn.Parameter) -> Sharding:
-    """megatron-core marks a TP-split parameter (tensor_model_parallel, partition_dim, and
-    partition_stride: SwiGLU's fused gate|up is 2), an expert's too where expert TP is 1 (tp_group:
-    none splits it); any other parameter is a replica."""
-    if not getattr(param, "tensor_model_parallel", False) or tp_group(param) is None:
-        return Sharding()
-    return Sharding(tp_dim=param.partition_dim, tp_parts=getattr(param, "partition_stride", 1))
-
-
 def _place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None
            ) -> tuple[RankCoords, Layout, Optional[list[int]]]:
     """This process's coordinates, the job's layout, and the ranks of this rank's DP group where the
     Dumper places them (None: megatron-core's parallel_state does, or a single process):
-    parallel_state's where it is initialised, else torch.distributed's ranks as DP ranks over the
-    world or `dp_group`, each group of those a stage (pp_rank), else rank 0 of 1."""
+    parallel_state's where it is initialised (megatron_adapter.place), else torch.distributed's
+    ranks as DP ranks over the world or `dp_group` (torch_adapter.place), else rank 0 of 1."""
     if not (dist.is_available() and dist.is_initialized()):
         if dp_group is not None:
             raise ValueError("dp_group is a process group of torch.distributed, which is not initialised")
         return RankCoords(rank=0), Layout(), None
-    rank, world = dist.get_rank(), dist.get_world_size()
-    state = megatron_state()
-    if state is not None:
-        if dp_group is not None:
-            raise ValueError("dp_group: megatron-core's parallel_state already places every rank")
-        coords = RankCoords(rank=rank, tp_rank=state.get_tensor_model_parallel_rank(),
-                            cp_rank=state.get_context_parallel_rank(), pp_rank=state.get_pipeline_model_parallel_rank(),
-                            dp_rank=state.get_data_parallel_rank())
-        return coords, Layout(tp=state.get_tensor_model_parallel_world_size(),
-                              pp=state.get_pipeline_model_parallel_world_size(),
-                              cp=state.get_context_parallel_world_size(), dp=state.get_data_parallel_world_size(),
-                              ep=state.get_expert_model_parallel_world_size(),
-                              etp=state.get_expert_tensor_parallel_world_size()), None
-    if dp_group is None:
-        return RankCoords(rank=rank, dp_rank=rank), Layout(dp=world), list(range(world))
-    if hasattr(dp_group, "get_group"):  # a 1-D DeviceMesh (several dims: get_group refuses)
-        dp_group = dp_group.get_group()
-    members = sorted(dist.get_process_group_ranks(dp_group))
-    every: list = [None] * world
-    dist.all_gather_object(every, members)
-    groups = sorted(set(map(tuple, every)))
-    if sorted(r for group in groups for r in group) != list(range(world)) or len(set(map(len, groups))) != 1:
-        raise UserError(f"dp_group: the ranks' groups {[list(g) for g in groups]} do not split the world of {world} "
-                        "ranks into groups of one size")
-    return (RankCoords(rank=rank, dp_rank=members.index(rank), pp_rank=groups.index(tuple(members))),
-            Layout(pp=len(groups), dp=len(members)), members)
+    megatron = megatron_adapter.place()
+    if megatron is None:
+        return torch_adapter.place(dp_group)
+    if dp_group is not None:
+        raise ValueError("dp_group: megatron-core's parallel_state already places every rank")
+    return (*megatron, None)
+
+
+def _adapter_for(model: torch.nn.Module, layout: Layout, dp_ranks: Optional[list[int]], outputs: bool,
+                 batch_dim: Optional[int]) -> tuple[Adapter, torch.nn.Module]:
+    """The adapter of `model`'s framework, and the model it watches (a DDP's wrapped module)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        torch_adapter.check_ddp_group(model.process_group, dp_ranks)
+        model = model.module  # plain .grad, all-reduced: replicas over the DP group
+    megatron = megatron_adapter.adapter_for(model, layout)
+    if megatron is not None:
+        return megatron
+    return torch_adapter.TorchAdapter(model, layout, outputs, batch_dim), model

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
+from megalign.capture.adapter import View
 from megalign.dump.layout import BatchRow
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
@@ -29,8 +30,6 @@ INPUT_CAPTURED = ".mlp.linear_fc2"  # modules whose input is dumped too, as `<na
 # gives [tokens, experts]: no sequence layout to reassemble (the router's decisions are dumped
 # instead, as kind routing: routing_choices).
 _EXPERTS = re.compile(r"\.mlp\.experts(\.|$)")
-
-View = Optional[Callable[[torch.Tensor], torch.Tensor]]  # how a tensor is turned before it is dumped
 
 
 @dataclass(frozen=True)

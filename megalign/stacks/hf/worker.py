@@ -10,7 +10,6 @@ lines them up; the rest under their HF names, where they show up as only-in-one-
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -20,6 +19,8 @@ import torch.nn.functional as F
 from megalign.capture.coverage import check_coverage, have_gradients
 from megalign.capture.dumper import Dumper
 from megalign.capture.hooks import Hooks
+from megalign.capture.transformers_adapter import (BATCH_FIRST, SEQ_FIRST, is_experts, megatron_router,
+                                                   output_sharding, router_layer, routing_records)
 from megalign.dump.format import PRECISION_DTYPES, layer_of
 from megalign.dump.meta import package_version
 from megalign.dump.sharding import Sharding
@@ -33,11 +34,6 @@ from megalign.stacks.hf.namemap import NameMap
 from megalign.stacks.meta import run_meta
 from megalign.stacks.precision import precision
 
-# transformers 5's MoE block, in memory in every family: `mlp.gate` (the router) and `mlp.experts`.
-_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
-_EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts(\.|$)")
-SEQ_FIRST = Sharding(seq_dim=0, dp_dim=1)  # megatron's layout of module outputs
-BATCH_FIRST = Sharding(seq_dim=1, dp_dim=0)  # inputs, logits, logprobs
 
 
 def run_worker(spec: RunSpec) -> None:
@@ -108,12 +104,12 @@ class HFCapture:
         self.deferred: list[tuple] = []
         self.hooks = Hooks()
         for name, module in model.named_modules():
-            router = _ROUTER.match(name) if moe else None
-            if router:
-                self.hooks.after_call(module, self._routing_hook(int(router.group(1))))
+            layer = router_layer(name) if moe else None
+            if layer is not None:
+                self.hooks.after_call(module, self._routing_hook(layer))
                 continue
-            if moe and _EXPERTS.match(name):
-                continue  # the experts, fused in one module: their tokens are permuted, as in megatron's
+            if moe and is_experts(name):
+                continue
             rule = names.rule_for_hf_module(name)
             if not name or (rule is not None and rule.activation is None):
                 continue  # the root's output is the loss; lm_head's are the logits, written from the output
@@ -134,11 +130,8 @@ class HFCapture:
     def _routing_hook(self, layer: int):
         """The router's (logits, weights, experts) over [b*s] tokens, written as megatron's routing records."""
         def record(module, inputs, output):
-            logits, weights, experts = output
-            router = f"decoder.layers.{layer}.mlp.router"
-            for what, tensor in (("logits", logits), ("experts", experts), ("weights", weights)):
-                tokens = tensor.detach().view(-1, self.seq_len, tensor.shape[-1]).transpose(0, 1)  # [s, b, ...]
-                self._write(f"{router}.{what}", tokens, SEQ_FIRST, router, kind="routing")
+            for key, tokens in routing_records(layer, output, self.seq_len).items():
+                self._write(key, tokens, SEQ_FIRST, megatron_router(layer), kind="routing")
 
         return record
 
@@ -159,8 +152,7 @@ class HFCapture:
         self._write(key, value, SEQ_FIRST, rule.megatron, joined=True)
 
     def _hf_only(self, key: str, tensor: torch.Tensor) -> None:
-        seq_dim = 1 if tensor.ndim > 1 and tensor.shape[1] == self.seq_len else None
-        self._write(key, tensor, Sharding(seq_dim=seq_dim, dp_dim=0 if seq_dim is not None else None), key.split("#")[0])
+        self._write(key, tensor, output_sharding(tensor, self.seq_len), key.split("#")[0])
 
     def _write(self, key: str, tensor: torch.Tensor, sharding: Sharding, module: str, joined: bool = False,
                kind: str = "activation") -> None:

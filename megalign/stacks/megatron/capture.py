@@ -12,11 +12,12 @@ from megalign.capture.dumper import Dumper
 from megalign.capture.hooks import Hooks
 from megalign.capture.megatron_hooks import hook_megatron_model
 from megalign.capture.megatron_names import global_name
-from megalign.capture.megatron_outputs import LocalShape, View
+from megalign.capture.adapter import View
+from megalign.capture.megatron_adapter import logits_layout
+from megalign.capture.megatron_outputs import LocalShape
 from megalign.capture.megatron_router import RouterTrace
 from megalign.dump.sharding import Sharding
 from megalign.spec import ModelConfig
-from megalign.stacks.megatron.model import logits_layout
 
 LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
 
@@ -26,7 +27,8 @@ class ActivationCapture:
 
     def __init__(self, model: torch.nn.Module, dumper: Dumper, model_config: ModelConfig, local: LocalShape,
                  grads: bool):
-        self.dumper, self.model_config, self.grads = dumper, model_config, grads
+        self.dumper, self.grads = dumper, grads
+        self.vocab_size, self.padded_vocab_size = model_config.vocab_size, model_config.padded_vocab_size(local.tp)
         self.hooks = Hooks()
         self.routers = RouterTrace(self.hooks, dumper, local)
         hook_megatron_model(self.hooks, model, self._record, lambda: local, named=lambda path: global_name(model, path),
@@ -37,7 +39,7 @@ class ActivationCapture:
         if key == LOGITS_MODULE:
             # Logits are dumped batch-first, [b, s, vocab], the way every stack can write them.
             kind, key = "logits", "logits"
-            sharding, view = logits_layout(self.model_config, sharding)
+            sharding, view = logits_layout(sharding, self.vocab_size, self.padded_vocab_size)
         self.dumper.add_output(kind, key, tensor, sharding, view=view, module=name, grad=self.grads)
 
     def remove(self) -> None:

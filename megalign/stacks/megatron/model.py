@@ -9,7 +9,6 @@ same numbers. `load_weights` is the one place a parameter's shard is worked out.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +18,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megalign.capture.ddp_grads import tp_group
+from megalign.capture.megatron_adapter import mask_vocab_padding, param_sharding
 from megalign.capture.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.format import PRECISION_DTYPES
-from megalign.dump.megatron_params import gated_linear
-from megalign.dump.sharding import Sharding
-from megalign.spec import VOCAB_PARAMS, ModelConfig, RunSpec
+from megalign.spec import ModelConfig, RunSpec
 from megalign.stacks.shard import ParamShard, WeightSource
-
 
 
 def transformer_config(spec: RunSpec) -> TransformerConfig:
@@ -121,60 +118,8 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
     if spec.device == "cuda":
         model.cuda(torch.cuda.current_device())
     if vocab > spec.model.vocab_size and model.post_process:
-        model.output_layer.register_forward_hook(_mask_vocab_padding(spec.model.vocab_size))
+        model.output_layer.register_forward_hook(mask_vocab_padding(spec.model.vocab_size))
     return model
-
-
-def _mask_vocab_padding(vocab_size: int):
-    """Padded vocab entries get -inf logits, so that the softmax (and the loss) sees only the real vocab."""
-
-    def hook(module, inputs, output):
-        logits, bias = output
-        shard = logits.shape[-1]
-        first = parallel_state.get_tensor_model_parallel_rank() * shard
-        padding = torch.arange(first, first + shard, device=logits.device) >= vocab_size
-        return logits.masked_fill(padding, float("-inf")), bias
-
-    return hook
-
-
-def logits_layout(model_config: ModelConfig, sharding: Sharding):
-    """How logits are dumped: batch-first [b, s, vocab], cut back to the real vocab when it is padded.
-    Returns (sharding, view)."""
-    batch_first = Sharding(seq_dim=1, dp_dim=0 if sharding.dp_dim is not None else None)
-    if not _vocab_padded(model_config):
-        return replace(batch_first, tp_dim=sharding.tp_dim), lambda t: t.transpose(0, 1)
-    return batch_first, lambda t: real_vocab(t, model_config.vocab_size, dim=-1).transpose(0, 1)
-
-
-def param_grad_layout(model_config: ModelConfig, name: str, grad: torch.Tensor, sharding: Sharding):
-    """A parameter gradient as dumped: the vocab parameters' padded rows cut off. Returns (grad, sharding)."""
-    if name not in VOCAB_PARAMS or not _vocab_padded(model_config):
-        return grad, sharding
-    return real_vocab(grad, model_config.vocab_size, dim=0), Sharding()
-
-
-def _vocab_padded(model_config: ModelConfig) -> bool:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return model_config.padded_vocab_size(tp) != model_config.vocab_size
-
-
-def real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
-    """Gather a vocab-split tensor over TP and drop the padding: uneven shards would not reassemble,
-    so the result is the whole tensor, a replica on every TP rank."""
-    shards = [torch.empty_like(shard) for _ in range(parallel_state.get_tensor_model_parallel_world_size())]
-    torch.distributed.all_gather(shards, shard.detach().contiguous(),
-                                 group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=dim).narrow(dim, 0, vocab_size)
-
-
-def param_sharding(model_config: ModelConfig, name: str, param: torch.nn.Parameter) -> Sharding:
-    """megatron marks TP-split parameters with `tensor_model_parallel` and `partition_dim`; an expert's
-    (`allreduce` False) are split over the expert TP ranks, which are the TP ranks or (ETP=1) none."""
-    if not getattr(param, "tensor_model_parallel", False) or _tp_size(param) == 1:
-        return Sharding()
-    fused = 2 if model_config.swiglu and gated_linear(name) else 1
-    return Sharding(tp_dim=param.partition_dim, tp_parts=fused)
 
 
 def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSource) -> None:
@@ -185,7 +130,7 @@ def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSour
             name = global_name(model, local)
             if is_duplicate_embedding(name, param):
                 name = "embedding.word_embeddings.weight"
-            sharding = param_sharding(model_config, name, param)
+            sharding = param_sharding(name, param, model_config.swiglu)
             tp_size = _tp_size(param)
             shape = list(param.shape)
             if sharding.tp_dim is not None:

@@ -1,0 +1,205 @@
+"""megatron-core's adapter: a GPTModel (or its kin, or megatron-core's DDP around one) as the Dumper
+writes it, and the rules megalign's megatron worker writes its dumps by (stacks/megatron), stated
+once here: the ranks' places from parallel_state, global layer and expert names under PP and EP
+(megatron_names.py), output sharding (megatron_outputs.py, walked by megatron_hooks.py), parameter
+sharding with expert TP, gradients read from DDP or the distributed optimizer with the TP-group
+rule of whether a rank holds one (ddp_grads.py), the router's decisions, and the padded vocabulary.
+Duck-typed and read through parallel_state where the program imported it: no megatron import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megalign.capture.adapter import Sink
+from megalign.capture.coverage import read_grad
+from megalign.capture.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
+                                        megatron_state, shard_grads, sharded, tp_group)
+from megalign.capture.hooks import Hooks
+from megalign.capture.megatron_hooks import hook_megatron_model
+from megalign.capture.megatron_names import global_name, is_duplicate_embedding
+from megalign.capture.megatron_outputs import LocalShape, is_megatron_model, is_router, packed_row, routing_choices
+from megalign.dump.format import RankCoords
+from megalign.dump.layout import Layout
+from megalign.dump.megatron_params import gated_linear
+from megalign.dump.sharding import Sharding
+from megalign.spec import VOCAB_PARAMS
+
+
+def place() -> Optional[tuple[RankCoords, Layout]]:
+    """This rank's coordinates and the job's layout, from parallel_state; None where the program
+    did not initialise it."""
+    state = megatron_state()
+    if state is None:
+        return None
+    coords = RankCoords(rank=dist.get_rank(), tp_rank=state.get_tensor_model_parallel_rank(),
+                        cp_rank=state.get_context_parallel_rank(), pp_rank=state.get_pipeline_model_parallel_rank(),
+                        dp_rank=state.get_data_parallel_rank())
+    return coords, Layout(tp=state.get_tensor_model_parallel_world_size(),
+                          pp=state.get_pipeline_model_parallel_world_size(),
+                          cp=state.get_context_parallel_world_size(), dp=state.get_data_parallel_world_size(),
+                          ep=state.get_expert_model_parallel_world_size(),
+                          etp=state.get_expert_tensor_parallel_world_size())
+
+
+def param_sharding(name: str, param: torch.nn.Parameter, swiglu: bool) -> Sharding:
+    """megatron-core marks a TP-split parameter `tensor_model_parallel`, split on `partition_dim`; an
+    expert's (`allreduce` False) over the expert TP ranks, which are the TP ranks or (ETP=1) none
+    (tp_group). Under SwiGLU, linear_fc1 (its weight and bias) holds gate|up fused, each rank a slice
+    of both: told by the name, as megatron's own checkpoints tell it (`partition_stride` is not set
+    by every linear: kitchen's keeps 1)."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_group(param) is None:
+        return Sharding()
+    return Sharding(tp_dim=param.partition_dim, tp_parts=2 if swiglu and gated_linear(name) else 1)
+
+
+def read_grads(ddps: Iterable[torch.nn.Module], params: dict[str, torch.nn.Parameter],
+               source: str = "auto") -> dict[str, Optional[torch.Tensor]]:
+    """Each parameter's gradient where megatron-core leaves it: gathered from every rank's shard of
+    its bucket where the distributed optimizer reduces only a shard (a collective over each DDP's
+    DP*CP group, every bucket, watched or not), else `.grad` or DDP's `main_grad` (coverage.read_grad).
+    `source` (megalign's --grad-source): "grad" reads only `.grad` (None under DDP), "main_grad" only
+    `main_grad`, "shard" this rank's own shard under the distributed optimizer (None for a parameter
+    not wholly in it): the classic mistakes, kept reachable."""
+    found: dict[int, Optional[torch.Tensor]] = {}
+    if source != "grad":
+        for ddp in ddps:
+            if sharded(ddp):
+                found.update((id(param), grad) for param, grad in
+                              (shard_grads(ddp) if source == "shard" else gathered_grads(ddp)))
+    return {name: found[id(param)] if id(param) in found else read_grad(param, source)
+            for name, param in params.items()}
+
+
+def vocab_view(vocab_size: int, padded_size: int, dim: int) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """A vocabulary-parallel tensor cut back to the real vocabulary where megatron pads it to a
+    multiple of TP (None: not padded): gathered over the TP ranks, since uneven shards would not put
+    back together, so the result is whole, a replica on every TP rank (its sharding: none)."""
+    if padded_size == vocab_size:
+        return None
+    return lambda shard: _real_vocab(shard, vocab_size, dim)
+
+
+def logits_layout(sharding: Sharding, vocab_size: int, padded_size: int) -> tuple[Sharding, Callable]:
+    """How the output layer's logits [s, b, vocab/tp] are dumped: batch-first [b, s, vocab], cut back
+    to the real vocabulary where it is padded. Returns (sharding, view)."""
+    batch_first = Sharding(seq_dim=1, dp_dim=0 if sharding.dp_dim is not None else None)
+    real = vocab_view(vocab_size, padded_size, dim=-1)
+    if real is None:
+        return replace(batch_first, tp_dim=sharding.tp_dim), lambda t: t.transpose(0, 1)
+    return batch_first, lambda t: real(t).transpose(0, 1)
+
+
+def param_grad_layout(name: str, grad: torch.Tensor, sharding: Sharding, vocab_size: int,
+                      padded_size: int) -> tuple[torch.Tensor, Sharding]:
+    """A parameter gradient as dumped: the vocabulary parameters' padded rows cut off."""
+    real = vocab_view(vocab_size, padded_size, dim=0) if name in VOCAB_PARAMS else None
+    return (grad, sharding) if real is None else (real(grad), Sharding())
+
+
+def mask_vocab_padding(vocab_size: int) -> Callable:
+    """A forward hook on the output layer: padded vocabulary entries get -inf logits, so that the
+    softmax (and the loss) sees only the real vocabulary."""
+    def hook(module, inputs, output):
+        logits, bias = output
+        shard = logits.shape[-1]
+        first = megatron_state().get_tensor_model_parallel_rank() * shard
+        padding = torch.arange(first, first + shard, device=logits.device) >= vocab_size
+        return logits.masked_fill(padding, float("-inf")), bias
+
+    return hook
+
+
+def _real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
+    state = megatron_state()
+    shards = [torch.empty_like(shard) for _ in range(state.get_tensor_model_parallel_world_size())]
+    dist.all_gather(shards, shard.detach().contiguous(), group=state.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=dim).narrow(dim, 0, vocab_size)
+
+
+def adapter_for(model: torch.nn.Module, layout: Layout) -> Optional[tuple["MegatronAdapter", torch.nn.Module]]:
+    """megatron-core's adapter and the model it watches (megatron DDP's wrapped module), where
+    `model` is megatron-core's; None where it is not."""
+    if is_megatron_ddp(model):
+        return MegatronAdapter(model.module, [model], layout), model.module
+    if not is_megatron_model(model):
+        return None
+    return MegatronAdapter(model, list(filter(None, [find_megatron_ddp(model)])), layout), model
+
+
+class MegatronAdapter:
+    """A megatron-core model as the Dumper writes it (capture/adapter.py's Adapter). `ddps`: the
+    megatron DDPs around it, where its gradients are read."""
+
+    def __init__(self, model: torch.nn.Module, ddps: list[torch.nn.Module], layout: Layout):
+        if layout.pp > 1 and not hasattr(model, "decoder"):
+            # Global layer names are read from the model's decoder: a part of it (its TransformerBlock)
+            # would dump every stage's first layer under one name.
+            raise NotImplementedError("watch() of a part of a megatron-core model split over PP stages: watch the "
+                                      "model (GPTModel, or megatron-core's DDP around it)")
+        self.model, self.ddps, self.layout = model, ddps, layout
+
+    def name(self, path: str) -> str:
+        return global_name(self.model, path)
+
+    def dumps_param(self, name: str, param: torch.nn.Parameter) -> bool:
+        return not is_duplicate_embedding(name, param)
+
+    def param_sharding(self, name: str, param: torch.nn.Parameter) -> Sharding:
+        return param_sharding(name, param, bool(self.model.config.gated_linear_unit))
+
+    def read_grads(self, params: dict[str, torch.nn.Parameter]) -> dict[str, Optional[torch.Tensor]]:
+        return read_grads(self.ddps, params)
+
+    def held(self, grads: list[Optional[torch.Tensor]], params: list[torch.nn.Parameter]) -> list[bool]:
+        return held_gradients(grads, params)
+
+    def hook(self, hooks: Hooks, sink: Sink, named: Callable[[str], str], seq_dim: Optional[int]) -> None:
+        """Every module's output, laid out as megalign's worker lays it out, from the TransformerConfig
+        and each call's input_ids [b, s] (this rank's share of the batch) and packed_seq_params (its
+        packed row, recorded); a router's decisions as kind routing."""
+        if seq_dim is not None:
+            raise ValueError("seq_dim names the token dim beside batch_dim, of a model other than megatron-core's "
+                             "(whose layout is known)")
+        local: list[LocalShape] = []
+        packed = [False]
+
+        def learn(root, args, kwargs) -> None:
+            tokens = args[0] if args else kwargs["input_ids"]
+            local[:] = [LocalShape.of_model(self.model.config, tokens, self.layout.tp)]
+            params = kwargs.get("packed_seq_params")
+            packed[0] = params is not None
+            if packed[0] and sink.live():
+                row = packed_row(params)
+                if tokens.shape[0] != 1 or tokens.shape[1] * self.layout.cp != row.bounds[-1]:
+                    sink.lost_rows(f"input_ids {list(tokens.shape)} on each of {self.layout.cp} CP ranks is not one "
+                                   f"packed row of the {row.bounds[-1]} tokens cu_seqlens_q_padded ends at", True)
+                else:
+                    sink.saw_rows((row,), True)
+
+        hooks.before_call(self.model, learn)
+        hook_megatron_model(hooks, self.model, sink.output, lambda: local[0], named=named, packed=lambda: packed[0],
+                            live=sink.live, router=_router_tracer(hooks, sink, lambda: local[0]))
+
+
+def _router_tracer(hooks: Hooks, sink: Sink, local: Callable[[], LocalShape]) -> Callable[[torch.nn.Module, str], bool]:
+    """A megatron-core router's decisions, as megalign's worker dumps them (kind routing; its
+    logits are the worker's alone: megatron_router.py)."""
+    def trace(router: torch.nn.Module, name: str) -> bool:
+        if not is_router(router):
+            return False
+
+        def record(module, inputs, output):
+            if sink.live():
+                for what, tensor in routing_choices(module, inputs, output).items():
+                    if sink.wants("routing", f"{name}.{what}"):
+                        sink.add("routing", f"{name}.{what}", tensor, local().seq_sharding(tensor, 0, 1), module=name)
+
+        hooks.after_call(router, record)
+        return True
+
+    return trace

@@ -1,0 +1,174 @@
+"""torch's adapter: any model that is not megatron-core's, as the Dumper writes it (capture/adapter.py's
+Adapter). torch's DDP (unwrapped: its replicas are the DP group's), FSDP2 and tensor parallel's
+DTensors (placed by their own placements: dtensor.py), and any module's outputs: split over DP
+ranks on `batch_dim`, token tensors on `seq_dim`, the rows' real tokens from each call's
+attention_mask. Ranks: torch.distributed's, each a DP rank over the world or over `dp_group`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megalign.capture.adapter import Sink
+from megalign.capture.coverage import have_gradients, read_grad
+from megalign.capture.dtensor import is_dtensor
+from megalign.capture.hooks import Hooks
+from megalign.dump.partial import shared_output_grad
+from megalign.dump.format import RankCoords
+from megalign.dump.layout import Layout, padded_rows
+from megalign.dump.sharding import Sharding
+from megalign.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None]) -> tuple[RankCoords, Layout, list[int]]:
+    """This rank's coordinates, the job's layout and the ranks of its DP group: torch.distributed's
+    ranks as DP ranks over the world or `dp_group`, each group of those a stage (pp_rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if dp_group is None:
+        return RankCoords(rank=rank, dp_rank=rank), Layout(dp=world), list(range(world))
+    if hasattr(dp_group, "get_group"):  # a 1-D DeviceMesh (several dims: get_group refuses)
+        dp_group = dp_group.get_group()
+    members = sorted(dist.get_process_group_ranks(dp_group))
+    every: list = [None] * world
+    dist.all_gather_object(every, members)
+    groups = sorted(set(map(tuple, every)))
+    if sorted(r for group in groups for r in group) != list(range(world)) or len(set(map(len, groups))) != 1:
+        raise UserError(f"dp_group: the ranks' groups {[list(g) for g in groups]} do not split the world of {world} "
+                        "ranks into groups of one size")
+    return (RankCoords(rank=rank, dp_rank=members.index(rank), pp_rank=groups.index(tuple(members))),
+            Layout(pp=len(groups), dp=len(members)), members)
+
+
+def check_ddp_group(group: dist.ProcessGroup, dp_ranks: Optional[list[int]]) -> None:
+    """torch DDP averages gradients over `group`: the Dumper's DP ranks must be its ranks, or its
+    replicas would be placed over ranks that hold other values (a false FAIL) or not all of them."""
+    ranks = sorted(dist.get_process_group_ranks(group))
+    if dp_ranks is not None and ranks != dp_ranks:
+        raise UserError(f"DDP averages gradients over ranks {ranks}, the Dumper's data-parallel group is ranks "
+                        f"{dp_ranks}: pass megalign.Dumper(..., dp_group=) the process_group given to DDP")
+
+
+class TorchAdapter:
+    """A model of torch's own modules. Refuses (NotImplementedError) watching the outputs of one
+    split over TP or CP ranks, whose outputs carry no placement."""
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, outputs: bool, batch_dim: Optional[int]):
+        if outputs and (layout.tp > 1 or layout.cp > 1):
+            # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
+            raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
+                                      "add() each tensor with its megalign.Sharding")
+        if outputs and _tensor_parallel(model):
+            # Its outputs are local pieces (parallelize_module hands them on as plain tensors, placement
+            # dropped): read as replicas or as the batch split, they would be put back together wrong.
+            raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module): its "
+                                      "outputs carry no placement; watch(model, outputs=False) dumps its parameters "
+                                      "and gradients (DTensors), add() an output with its megalign.Sharding")
+        self.model, self.layout, self.batch_dim = model, layout, batch_dim
+        self._batch: Optional[int] = None  # rows of the model's input on batch_dim, once it ran
+        self._seq_len: Optional[int] = None  # tokens a row of the model's input, where seq_dim is given
+
+    def name(self, path: str) -> str:
+        return path
+
+    def dumps_param(self, name: str, param: torch.nn.Parameter) -> bool:
+        return True
+
+    def param_sharding(self, name: str, param: torch.nn.Parameter) -> Sharding:
+        return Sharding()  # a replica over the DP ranks (DDP's), or a DTensor placed by its placements
+
+    def read_grads(self, params: dict[str, torch.nn.Parameter]) -> dict[str, Optional[torch.Tensor]]:
+        """`.grad` as torch's DDP (averaged over the DP group) or FSDP2 (a DTensor, reduce-scattered)
+        leaves it at a step's end: the one place this adapter reads gradients."""
+        return {name: read_grad(param) for name, param in params.items()}
+
+    def held(self, grads: list[Optional[torch.Tensor]], params: list[torch.nn.Parameter]) -> list[bool]:
+        return have_gradients(grads)  # each rank alone: no rank holds a piece of another's
+
+    def hook(self, hooks: Hooks, sink: Sink, named: Callable[[str], str], seq_dim: Optional[int]) -> None:
+        batch_dim = self.batch_dim
+        if seq_dim is not None and (batch_dim is None or seq_dim == batch_dim):
+            raise ValueError("seq_dim names the token dim beside batch_dim, of a model other than megatron-core's "
+                             "(whose layout is known)")
+        if batch_dim is not None and (self.layout.dp > 1 or seq_dim is not None):
+            # A DP split needs the batch's rows; token tensors, the rows' length and padding.
+            hooks.before_call(self.model, self._batch_hook(sink, batch_dim, seq_dim))
+        for path, sub in self.model.named_modules():
+            if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
+                hooks.on_outputs(sub, named(path), self._output_hook(sink, named(path), seq_dim))
+
+    def _output_hook(self, sink: Sink, name: str, seq_dim: Optional[int]) -> Callable:
+        rows_split = self.batch_dim is not None and self.layout.dp > 1  # each DP rank its own rows
+
+        def record(module, key, tensor, index):
+            sharding = self._sharding(tensor, seq_dim)
+            # An output every DP rank holds whole while each has other rows (a learned position
+            # embedding's [1, s, d]): forward a replica, its gradient a partial sum over the ranks.
+            grad = shared_output_grad(sharding) if rows_split and not is_dtensor(tensor) else None
+            sink.output(key, name, tensor, sharding, None, grad)
+
+        return record
+
+    def _sharding(self, tensor: torch.Tensor, seq_dim: Optional[int]) -> Sharding:
+        """An output split over DP ranks on batch_dim where it has as many rows there as the model's
+        input, else a replica; with `seq_dim`, one with the rows' tokens there is a token tensor (its
+        batch dim recorded at any DP size)."""
+        if is_dtensor(tensor):
+            return Sharding()
+        batch_dim = self.batch_dim
+        split = (batch_dim is not None and tensor.ndim > batch_dim and (self.layout.dp > 1 or seq_dim is not None)
+                 and self._batch in (None, tensor.shape[batch_dim]))
+        tokens = seq_dim is not None and tensor.ndim > seq_dim and tensor.shape[seq_dim] == self._seq_len
+        return Sharding(dp_dim=batch_dim if split else None, seq_dim=seq_dim if tokens else None)
+
+    def _batch_hook(self, sink: Sink, batch_dim: int, seq_dim: Optional[int]) -> Callable:
+        """A pre-hook on the model: its first tensor argument's rows on batch_dim are this rank's
+        batch; with `seq_dim`, its tokens a row, and the rows' real tokens (padded_rows) from its
+        attention_mask, passed by name or by position."""
+        mask_of = _argument(self.model, "attention_mask")
+
+        def read(module, args, kwargs):
+            first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+            if first is None or first.ndim <= max(batch_dim, seq_dim or 0):
+                return
+            self._batch = first.shape[batch_dim]
+            if seq_dim is not None:
+                self._seq_len = first.shape[seq_dim]
+                if sink.live():
+                    try:
+                        sink.saw_rows(padded_rows(mask_of(args, kwargs), self._batch, self._seq_len), False)
+                    except UserError as error:
+                        sink.lost_rows(str(error), False)
+
+        return read
+
+
+def _argument(module: torch.nn.Module, name: str) -> Callable[[tuple, dict], object]:
+    """Reads the argument `name` of a call of module's forward, given by name or by position
+    (`model(ids, mask)`); None where absent."""
+    try:
+        signature = inspect.signature(module.forward)
+    except (TypeError, ValueError):  # a forward without a signature (a builtin): by name only
+        signature = None
+
+    def read(args: tuple, kwargs: dict) -> object:
+        if signature is not None and args:
+            with contextlib.suppress(TypeError):  # a call forward itself would refuse: by name only
+                return signature.bind_partial(*args, **kwargs).arguments.get(name)
+        return kwargs.get(name)
+
+    return read
+
+
+def _tensor_parallel(module: torch.nn.Module) -> bool:
+    """Whether torch's parallelize_module hooked a submodule: distribute_module marks each module it
+    hooks with `_distribute_module_applied` (private to torch; tests/trainer/test_torch_tp.py finds
+    a real model refused, so a torch that dropped the mark fails there)."""
+    return any(getattr(sub, "_distribute_module_applied", False) for sub in module.modules())
