@@ -172,3 +172,67 @@ def test_forward_of_a_slime_pt_says_what_is_not_compared(checkpoint, tmp_path):
                     "--stack", "hf", *DUMPED, "--out", tmp_path / "o")
     assert result.exit_code == 0, result.output
     assert "recompute only" in result.output
+
+
+PHI2 = "vllm-0.16-completions-phi-2.json"  # phi-2 served it: its ids and its text of each token (fixtures/README.md)
+
+
+def test_another_models_ids_beside_their_text_are_refused(checkpoint, tmp_path):
+    """phi-2's ids with phi-2's text of each token, against SmolLM2: they were read silently as SmolLM2's ids (another
+    text entirely: " Paris" is id 6342, SmolLM2's " pig"). Under --hf's tokenizer most ids spell other text than the
+    engine's: refused in one line. Without --hf there is nothing to check them against, and they read."""
+    with pytest.raises(UserError, match=r"choices\[0\]\.token_ids: another model's tokenizer: \d+ of 22 token ids do "
+                                        r"not spell the engine's text of their token under --hf .*smollm2-135m's "
+                                        r"tokenizer \(the first, \[0\]: id 6342 is ' pig', the engine's text ' Paris'\)"):
+        read_rollout(FIXTURES / PHI2, checkpoint)
+    result = invoke("forward", "--hf", checkpoint, "--rollout", FIXTURES / PHI2, "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "another model's tokenizer" in error_line(result), result.output
+    assert read_rollout(FIXTURES / PHI2).samples[0].response == fixture(PHI2)["choices"][0]["token_ids"]
+
+
+def test_another_models_ids_alone_are_a_wrong_model(checkpoint, dump, tmp_path):
+    """The same response with return_tokens_as_token_ids: the ids are its only spelling, so they run; compare of
+    SmolLM2 on them names a wrong model, tokenizer or ids (most sampled tokens improbable to the trainer), not a
+    sampling setting."""
+    path = FIXTURES / "vllm-0.16-completions-phi-2-token-ids.json"
+    trainer = dump("forward", "--hf", checkpoint, "--rollout", path, *DUMPED)
+    result = invoke("compare", path, trainer, "--format", "plain")
+    assert result.exit_code == 1, result.output
+    said = [line for line in result.output.splitlines() if line.startswith("cause:")]
+    assert len(said) == 1 and said[0].startswith("cause: wrong model, tokenizer or ids: "), result.output
+    assert "of the 22 sampled tokens are improbable to the trainer" in said[0], said
+
+
+@pytest.mark.parametrize("name, drop, asked", (
+    ("vllm-0.16-completions-stream.sse", "prompt_token_ids",
+     ("return_token_ids=true (vLLM 0.10.2+ and SGLang", "echo=true with logprobs")),
+    ("vllm-0.16-chat-stream.sse", "prompt_token_ids",
+     ("return_token_ids=true (vLLM 0.10.2+", "SGLang: each choice's prompt_token_ids and response_token_ids",
+      "return_prompt_token_ids=true with return_meta_info=true")),
+    ("sglang-0.5-chat-meta-info.json", "prompt_token_ids",
+     ("return_prompt_token_ids=true (or return_token_ids=true) with return_meta_info=true",)),
+    ("sglang-0.5-generate-stream.sse", "input_token_logprobs",
+     ("return_prompt_token_ids=true, or logprob_start_len=0",)),
+))
+def test_a_missing_prompt_names_each_engines_option(tmp_path, name, drop, asked):
+    """Where the prompt's ids are not in a file, the advice names the options of the engine that wrote it, vLLM's and
+    SGLang's alike (sglang 0.5.23's request fields; it named vLLM's alone for OpenAI-compatible files)."""
+    def without(value):
+        if isinstance(value, dict):
+            return {k: without(v) for k, v in value.items() if k != drop}
+        return [without(v) for v in value] if isinstance(value, list) else value
+
+    text = (FIXTURES / name).read_text()
+    if name.endswith(".sse"):
+        chunks = [without(c) for c in fixture_chunks(name)]
+        if drop == "input_token_logprobs":  # SGLang's default: one input entry, the last prompt token's
+            for c in chunks:
+                c["meta_info"]["input_token_logprobs"] = []
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    else:
+        text = json.dumps(without(json.loads(text)))
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError, match="the prompt's token ids are not in the file") as caught:
+        read_rollout(tmp_path / name)
+    for words in asked:
+        assert words in str(caught.value), str(caught.value)
