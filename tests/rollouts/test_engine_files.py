@@ -236,3 +236,17 @@ def test_a_missing_prompt_names_each_engines_option(tmp_path, name, drop, asked)
         read_rollout(tmp_path / name)
     for words in asked:
         assert words in str(caught.value), str(caught.value)
+
+
+def test_sglang_chat_response_token_ids_are_read(checkpoint, tmp_path):
+    """SGLang's chat with return_token_ids=true and no meta_info names the response's ids response_token_ids
+    (sglang 0.5.23 ChatCompletionResponseChoice): read by id, so choice 1's emoji (U+FFFD bytes) reads too. It was
+    left out, its ids ignored."""
+    content = fixture("sglang-0.5-chat-meta-info.json")
+    responses = [[e[1] for e in c["meta_info"]["output_token_logprobs"]] for c in content["choices"]]
+    choices = [dict({k: v for k, v in c.items() if k != "meta_info"}, response_token_ids=r)
+               for c, r in zip(content["choices"], responses)]
+    path = tmp_path / "chat-token-ids.json"
+    path.write_text(json.dumps(dict(content, choices=choices)))
+    rollout = read_rollout(path, checkpoint)
+    assert [s.response for s in rollout.samples] == responses and not rollout.notes()
