@@ -8,6 +8,7 @@ completions stream, vLLM's echo with n=2, SGLang's /generate streams) run end to
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,56 @@ def test_sglang_chat_response_token_ids_are_read(checkpoint, tmp_path):
     path.write_text(json.dumps(dict(content, choices=choices)))
     rollout = read_rollout(path, checkpoint)
     assert [s.response for s in rollout.samples] == responses and not rollout.notes()
+
+
+def test_the_docs_vllm_offline_snippet_writes_what_the_reader_takes(monkeypatch, tmp_path):
+    """docs/rollouts.md's lines that save LLM.generate's outputs, run as written on stand-ins for vLLM's objects
+    (vLLM is not installed here): dataclasses with the attribute names of vllm/outputs.py's RequestOutput and
+    CompletionOutput and vllm/logprobs.py's Logprob, holding what vLLM holds (each position's {token_id: Logprob}
+    with the sampled token among the top-k, prompt_logprobs None at entry 0, token_ids a tuple, n = 2). The file it
+    writes reads back as the same prompt, responses and logprobs."""
+    @dataclass
+    class Logprob:
+        logprob: float
+        rank: int
+        decoded_token: str
+
+    @dataclass
+    class CompletionOutput:
+        index: int
+        text: str
+        token_ids: tuple
+        cumulative_logprob: float
+        logprobs: list
+        finish_reason: str
+        stop_reason: None = None
+
+    @dataclass
+    class RequestOutput:
+        request_id: str
+        prompt: str
+        prompt_token_ids: list
+        prompt_logprobs: list
+        outputs: list
+        finished: bool = True
+
+    def positions(tokens, values):  # the sampled token and, ranked first, another
+        return [None if v is None else {t + 1: Logprob(-0.1, 1, "x"), t: Logprob(v, 2, "y")}
+                for t, v in zip(tokens, values)]
+
+    echo = read_rollout(FIXTURES / "vllm-0.16-completions-stream.sse").samples[0]
+    prompt_values = [None] + [-1.5 - k for k in range(len(echo.prompt) - 1)]
+    outputs = [RequestOutput("0", "The capital of France is", echo.prompt, positions(echo.prompt, prompt_values),
+                             [CompletionOutput(j, "", tuple(echo.response), sum(echo.response_logprobs),
+                                               positions(echo.response, echo.response_logprobs), "length")
+                              for j in range(2)])]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "rollouts.md").read_text()
+    snippet = doc.split("### vLLM offline")[1].split("```python\n")[1].split("```")[0]
+    kept = [line for line in snippet.splitlines() if not line.startswith(("from vllm ", "llm = ", "outputs = "))]
+    assert len(kept) == len(snippet.splitlines()) - 3, snippet  # only the lines that need vLLM itself
+    monkeypatch.chdir(tmp_path)
+    exec("\n".join(kept), {"outputs": outputs})
+    samples = read_rollout(tmp_path / "rollout.json").samples
+    assert [(s.prompt, s.response, s.response_logprobs) for s in samples] == \
+        [(echo.prompt, echo.response, echo.response_logprobs)] * 2
+    assert samples[0].prompt_logprobs == prompt_values
