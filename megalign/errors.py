@@ -49,11 +49,6 @@ def disk_full(error: BaseException) -> Optional[UserError]:
     return None
 
 
-def is_int(value: object) -> bool:
-    """An int that is not a bool: JSON's `true` reads as an int to Python (True == 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def compile_pattern(option: str, text: str) -> re.Pattern:
     """A user's regular expression, or a UserError naming the option it came from."""
     try:

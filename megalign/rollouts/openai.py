@@ -6,7 +6,9 @@ vLLM's serving code for the token-id extensions).
     chat         {"prompt_token_ids"?: [...], "choices": [{"logprobs": {"content": [{"token": "Paris",
                    "logprob": -0.0012, "bytes": [80, 97, ...]}, ...]}, "token_ids"?: [...]}]}
 
-Token ids come from vLLM's return_token_ids fields where present, else from tokens spelled
+Token ids come from the return_token_ids fields where present (vLLM's token_ids; SGLang's chat
+names them response_token_ids), checked against the tokens' text under the --hf checkpoint's
+tokenizer (vocabulary.check_spelling: another model's ids are refused), else from tokens spelled
 "token_id:N" (return_tokens_as_token_ids), else each token's bytes (or its text) is looked up in the
 --hf checkpoint's tokenizer. With echo the completions lists cover the prompt first, entry 0 null.
 The prompt's ids must be in the file (vLLM's prompt_token_ids; for echo, usage.prompt_tokens splits
@@ -15,8 +17,8 @@ choice is a sample. A null field is an absent one (vLLM writes token_ids, prompt
 prompt_logprobs and stop_reason null unless token ids were requested).
 
 vLLM, SGLang, TensorRT-LLM and ollama spell a token by its decoded text (and its bytes from that
-text): a token that ends inside a UTF-8 character arrives as U+FFFD (bytes 239,191,189), whose real
-bytes are lost. Without ids such a choice cannot be mapped: it is left out, and said so.
+text): a token that ends inside a UTF-8 character arrives as U+FFFD, whose real bytes are lost.
+Without ids such a choice cannot be mapped: it is left out, and said so (vocabulary.py).
 
 Streamed (stream=true), the chunks (`merge`) carry each choice's tokens a few at a time, vLLM's
 token_ids beside them, its prompt_token_ids once (the choice's, for completions; the chunk's, for
@@ -25,17 +27,21 @@ chat), and the usage in a last chunk without choices (stream_options.include_usa
 
 from __future__ import annotations
 
-import functools
-import re
 from pathlib import Path
 from typing import Any, Optional
 
 from megalign.rollouts import vllm
 from megalign.rollouts.sample import LeftOut, Sample, ids, logprob, same_length
+from megalign.rollouts.vocabulary import Unmappable, check_spelling, token_ids
 from megalign.errors import UserError
 
-TOKEN_ID = re.compile(r"token_id:(\d+)")
-REPLACEMENT = "\ufffd".encode("utf-8")  # 239, 191, 189
+# Where a response has no prompt ids: what each engine is asked for (sglang 0.5.23's and vLLM 0.16's request fields)
+ASK_COMPLETION_PROMPT = ("request return_token_ids=true (vLLM 0.10.2+ and SGLang: each choice's prompt_token_ids), or "
+                         "echo=true with logprobs (vLLM: the prompt's tokens first, split at usage.prompt_tokens; one "
+                         "prompt a request)")
+ASK_CHAT_PROMPT = ("request return_token_ids=true (vLLM 0.10.2+: the response's prompt_token_ids; SGLang: each "
+                   "choice's prompt_token_ids and response_token_ids), or on SGLang return_prompt_token_ids=true with "
+                   "return_meta_info=true; or save the rollout as JSONL with prompt_ids")
 
 
 def detect_completion(item: dict) -> bool:
@@ -68,6 +74,7 @@ def read_completion(item: dict, where: str, hf: Optional[Path] = None) -> list[S
             everything = everything[len(everything) - len(values):] if len(values) <= len(everything) else None
             if everything is None:
                 raise UserError(f"{at}: more logprobs than prompt and output token ids")
+            check_spelling(everything, tokens, hf, f"{at}.token_ids")
         else:
             try:
                 everything = token_ids([(t, None) for t in tokens], hf, f"{at}.logprobs.tokens")
@@ -78,8 +85,7 @@ def read_completion(item: dict, where: str, hf: Optional[Path] = None) -> list[S
         if prompt is None:
             count = (item.get("usage") or {}).get("prompt_tokens")
             if not (echo and isinstance(count, int) and 0 < count < len(everything)):
-                raise UserError(f"{at}: the prompt's token ids are not in the file: request return_token_ids=true "
-                                "(vLLM), or echo=true with usage (one prompt a request)")
+                raise UserError(f"{at}: the prompt's token ids are not in the file: {ASK_COMPLETION_PROMPT}")
             prompt = everything[:count]
             if echoed is not None and prompt != echoed:
                 raise UserError(f"{at}: echoes another prompt than choices[0] (usage.prompt_tokens counts every "
@@ -111,10 +117,11 @@ def read_chat(item: dict, where: str, hf: Optional[Path] = None) -> list[Sample 
         prompt = _prompt(item, choice, at)
         if prompt is None:
             raise UserError(f"{at}: the prompt's token ids are not in the file (chat completions carry none): "
-                            "request return_token_ids=true (vLLM) or return_prompt_token_ids=true with "
-                            "return_meta_info=true (SGLang), or save the rollout as JSONL with prompt_ids")
-        if choice.get("token_ids") is not None:
-            response = ids(choice["token_ids"], f"{at}.token_ids")
+                            f"{ASK_CHAT_PROMPT}")
+        named = next((name for name in ("token_ids", "response_token_ids") if choice.get(name) is not None), None)
+        if named is not None:
+            response = ids(choice[named], f"{at}.{named}")
+            check_spelling(response, [c["token"] for c in content], hf, f"{at}.{named}")
         else:
             try:
                 response = token_ids([(c["token"], c.get("bytes")) for c in content], hf, f"{at}.logprobs.content")
@@ -143,62 +150,6 @@ def _numbers(values: list[Optional[float]], where: str) -> list[float]:
     if any(v is None for v in values):
         raise UserError(f"{where}: a generated token without a logprob (null)")
     return values
-
-
-def token_ids(pieces: list[tuple[Any, Optional[list[int]]]], hf: Optional[Path], where: str) -> list[int]:
-    """The id of each token: "token_id:N" as it says, else its bytes (or text) through the tokenizer."""
-    spelled = [TOKEN_ID.fullmatch(t) if isinstance(t, str) else None for t, _ in pieces]
-    if all(spelled):
-        return [int(m.group(1)) for m in spelled]
-    if hf is None:
-        raise UserError(f"{where}: tokens are strings; pass --hf CHECKPOINT to map them to token ids through its "
-                        "tokenizer (or request return_tokens_as_token_ids / return_token_ids from vLLM)")
-    lookup = _vocabulary(hf)
-    return [lookup.id_of(text, raw, f"{where}[{i}]") for i, (text, raw) in enumerate(pieces)]
-
-
-class Unmappable(Exception):
-    """A token whose id its spelling does not tell: its sequence is left out (LeftOut), never guessed."""
-
-
-@functools.lru_cache(maxsize=2)  # loading a tokenizer takes a second: one per checkpoint and process
-def _vocabulary(hf: Path) -> "_Vocabulary":
-    return _Vocabulary(hf)
-
-
-class _Vocabulary:
-    """A tokenizer's token -> id map, with byte-level BPE's spelling of bytes (GPT-2's bytes_to_unicode),
-    so that a token's exact bytes find its id without re-tokenising text."""
-
-    def __init__(self, hf: Path):
-        from transformers import AutoTokenizer
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(hf))
-        except (OSError, ValueError) as e:
-            raise UserError(f"--hf {hf}: no tokenizer there ({e})") from None
-        self.vocab = self.tokenizer.get_vocab()
-        self.spelling = bytes_to_unicode()
-
-    def id_of(self, text: Any, raw: Optional[list[int]], where: str) -> int:
-        data = bytes(raw) if isinstance(raw, list) else str(text).encode("utf-8")
-        if REPLACEMENT in data:
-            # the engine decoded a token that ends inside a UTF-8 character: its own bytes are lost, and
-            # the tokenizer's own U+FFFD token (or any other) would be a guess
-            raise Unmappable(f"{where}: token {text!r} is spelled with U+FFFD (bytes 239,191,189), the engine's "
-                             "decoded text of a partial UTF-8 character, so its id is unknown: request token ids "
-                             "(vLLM return_token_ids=true or return_tokens_as_token_ids=true; SGLang "
-                             "return_meta_info=true)")
-        spelled = "".join(self.spelling[b] for b in data)
-        for candidate in (spelled, str(text)):
-            if candidate in self.vocab:
-                return self.vocab[candidate]
-        alone = self.tokenizer.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False)
-        if len(alone) != 1:
-            raise UserError(f"{where}: token {text!r} is not one token of the --hf tokenizer (the rollout is "
-                            "another model's, or --hf is not the engine's checkpoint)")
-        return alone[0]
 
 
 def merge(chunks: list[dict], where: str) -> dict:

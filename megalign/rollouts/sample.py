@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.errors import UserError
+from megalign.errors import UserError, is_int, is_number
 
 
 @dataclass
@@ -93,8 +93,7 @@ class Rollout:
 # The checks every reader makes of what it takes from a file: `where` names the file, item and field.
 
 def ids(value: Any, where: str) -> list[int]:
-    if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                            for t in value)):
+    if not (isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)):
         raise UserError(f"{where}: expected a list of token ids (integers >= 0)")
     return value
 
@@ -103,7 +102,7 @@ def logprob(value: Any, where: str, null: Optional[float] = math.nan) -> Optiona
     """A logprob; null reads as `null` (NaN: orjson's -inf/NaN; None where the format means "none")."""
     if value is None:
         return null
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise UserError(f"{where}: expected a number, found {type(value).__name__}")
     return float(value)
 

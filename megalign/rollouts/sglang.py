@@ -21,7 +21,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from megalign.rollouts.sample import Sample, ids, logprob
+from megalign.rollouts.vocabulary import check_spelling
 from megalign.errors import UserError
+
+# Where the prompt's ids are missing: what /generate is asked for (sglang 0.5.23's GenerateReqInput fields)
+ASK_PROMPT = ("request return_prompt_token_ids=true, or logprob_start_len=0 (the whole prompt in "
+              "input_token_logprobs, with its logprobs)")
 
 
 def detect(item: dict) -> bool:
@@ -29,18 +34,22 @@ def detect(item: dict) -> bool:
     return isinstance(meta, dict) and isinstance(meta.get("output_token_logprobs"), list)
 
 
-def read(item: dict, where: str, hf: Any = None) -> list[Sample]:
+def read(item: dict, where: str, hf: Any = None, ask: str = ASK_PROMPT) -> list[Sample]:
+    """`ask`: what to request where the prompt's ids are missing (the chat endpoint has other options)."""
     meta = item["meta_info"]
     output = _triples(meta["output_token_logprobs"], f"{where}: meta_info.output_token_logprobs")
     response = [token for _, token in output]
+    # with return_text_in_logprobs (the chat endpoint's default) each entry spells its token
+    check_spelling(response, [e[2] if len(e) == 3 else None for e in meta["output_token_logprobs"]], hf,
+                   f"{where}: meta_info.output_token_logprobs")
     if item.get("output_ids") is not None and ids(item["output_ids"], f"{where}: output_ids") != response:
         raise UserError(f"{where}: output_ids differ from the token ids of meta_info.output_token_logprobs")
-    prompt, prompt_logprobs = _prompt(item, meta, where)
+    prompt, prompt_logprobs = _prompt(item, meta, where, ask)
     return [Sample(prompt=prompt, response=response, response_logprobs=[value for value, _ in output],
                    prompt_logprobs=prompt_logprobs)]
 
 
-def _prompt(item: dict, meta: dict, where: str) -> tuple[list[int], Optional[list[Optional[float]]]]:
+def _prompt(item: dict, meta: dict, where: str, ask: str) -> tuple[list[int], Optional[list[Optional[float]]]]:
     """The prompt ids, and their logprobs when input_token_logprobs covers the whole prompt."""
     given = None if item.get("prompt_token_ids") is None else ids(item["prompt_token_ids"], f"{where}: prompt_token_ids")
     inputs = meta.get("input_token_logprobs") or []
@@ -53,8 +62,7 @@ def _prompt(item: dict, meta: dict, where: str) -> tuple[list[int], Optional[lis
             raise UserError(f"{where}: prompt_token_ids differ from the ids of meta_info.input_token_logprobs")
         return prompt, [None] + [value for value, _ in triples[1:]]
     if given is None:
-        raise UserError(f"{where}: the prompt's token ids are not in the file: request return_prompt_token_ids=true "
-                        "(or logprob_start_len=0, which also returns the prompt's logprobs)")
+        raise UserError(f"{where}: the prompt's token ids are not in the file: {ask}")
     tail = [token for _, token in _triples(inputs, f"{where}: meta_info.input_token_logprobs", first_null=True)]
     if tail and given[-len(tail):] != tail:
         raise UserError(f"{where}: meta_info.input_token_logprobs ends with token ids {tail}, the prompt_token_ids "

@@ -18,6 +18,9 @@ from typing import Any
 from megalign.rollouts import sglang
 from megalign.rollouts.sample import Sample
 
+# sglang 0.5.23's chat request fields for the prompt's ids (its chat runs with logprob_start_len -1, fixed)
+ASK_PROMPT = "request return_prompt_token_ids=true (or return_token_ids=true) with return_meta_info=true"
+
 
 def detect(item: dict) -> bool:
     choices = item.get("choices")
@@ -28,4 +31,5 @@ def detect(item: dict) -> bool:
 def read(item: dict, where: str, hf: Any = None) -> list[Sample]:
     return [sample for j, choice in enumerate(item["choices"])
             for sample in sglang.read({"meta_info": choice["meta_info"], "output_ids": choice.get("response_token_ids"),
-                                       "prompt_token_ids": choice.get("prompt_token_ids")}, f"{where}: choices[{j}]")]
+                                       "prompt_token_ids": choice.get("prompt_token_ids")}, f"{where}: choices[{j}]",
+                                      hf, ASK_PROMPT)]

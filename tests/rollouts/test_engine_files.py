@@ -8,6 +8,7 @@ completions stream, vLLM's echo with n=2, SGLang's /generate streams) run end to
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,134 @@ def test_forward_of_a_slime_pt_says_what_is_not_compared(checkpoint, tmp_path):
                     "--stack", "hf", *DUMPED, "--out", tmp_path / "o")
     assert result.exit_code == 0, result.output
     assert "recompute only" in result.output
+
+
+PHI2 = "vllm-0.16-completions-phi-2.json"  # phi-2 served it: its ids and its text of each token (fixtures/README.md)
+
+
+def test_another_models_ids_beside_their_text_are_refused(checkpoint, tmp_path):
+    """phi-2's ids with phi-2's text of each token, against SmolLM2: they were read silently as SmolLM2's ids (another
+    text entirely: " Paris" is id 6342, SmolLM2's " pig"). Under --hf's tokenizer most ids spell other text than the
+    engine's: refused in one line. Without --hf there is nothing to check them against, and they read."""
+    with pytest.raises(UserError, match=r"choices\[0\]\.token_ids: another model's tokenizer: \d+ of 22 token ids do "
+                                        r"not spell the engine's text of their token under --hf .*smollm2-135m's "
+                                        r"tokenizer \(the first, \[0\]: id 6342 is ' pig', the engine's text ' Paris'\)"):
+        read_rollout(FIXTURES / PHI2, checkpoint)
+    result = invoke("forward", "--hf", checkpoint, "--rollout", FIXTURES / PHI2, "--out", tmp_path / "o")
+    assert result.exit_code == 2 and "another model's tokenizer" in error_line(result), result.output
+    assert read_rollout(FIXTURES / PHI2).samples[0].response == fixture(PHI2)["choices"][0]["token_ids"]
+
+
+def test_another_models_ids_alone_are_a_wrong_model(checkpoint, dump, tmp_path):
+    """The same response with return_tokens_as_token_ids: the ids are its only spelling, so they run; compare of
+    SmolLM2 on them names a wrong model, tokenizer or ids (most sampled tokens improbable to the trainer), not a
+    sampling setting."""
+    path = FIXTURES / "vllm-0.16-completions-phi-2-token-ids.json"
+    trainer = dump("forward", "--hf", checkpoint, "--rollout", path, *DUMPED)
+    result = invoke("compare", path, trainer, "--format", "plain")
+    assert result.exit_code == 1, result.output
+    said = [line for line in result.output.splitlines() if line.startswith("cause:")]
+    assert len(said) == 1 and said[0].startswith("cause: wrong model, tokenizer or ids: "), result.output
+    assert "of the 22 sampled tokens are improbable to the trainer" in said[0], said
+
+
+@pytest.mark.parametrize("name, drop, asked", (
+    ("vllm-0.16-completions-stream.sse", "prompt_token_ids",
+     ("return_token_ids=true (vLLM 0.10.2+ and SGLang", "echo=true with logprobs")),
+    ("vllm-0.16-chat-stream.sse", "prompt_token_ids",
+     ("return_token_ids=true (vLLM 0.10.2+", "SGLang: each choice's prompt_token_ids and response_token_ids",
+      "return_prompt_token_ids=true with return_meta_info=true")),
+    ("sglang-0.5-chat-meta-info.json", "prompt_token_ids",
+     ("return_prompt_token_ids=true (or return_token_ids=true) with return_meta_info=true",)),
+    ("sglang-0.5-generate-stream.sse", "input_token_logprobs",
+     ("return_prompt_token_ids=true, or logprob_start_len=0",)),
+))
+def test_a_missing_prompt_names_each_engines_option(tmp_path, name, drop, asked):
+    """Where the prompt's ids are not in a file, the advice names the options of the engine that wrote it, vLLM's and
+    SGLang's alike (sglang 0.5.23's request fields; it named vLLM's alone for OpenAI-compatible files)."""
+    def without(value):
+        if isinstance(value, dict):
+            return {k: without(v) for k, v in value.items() if k != drop}
+        return [without(v) for v in value] if isinstance(value, list) else value
+
+    text = (FIXTURES / name).read_text()
+    if name.endswith(".sse"):
+        chunks = [without(c) for c in fixture_chunks(name)]
+        if drop == "input_token_logprobs":  # SGLang's default: one input entry, the last prompt token's
+            for c in chunks:
+                c["meta_info"]["input_token_logprobs"] = []
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    else:
+        text = json.dumps(without(json.loads(text)))
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError, match="the prompt's token ids are not in the file") as caught:
+        read_rollout(tmp_path / name)
+    for words in asked:
+        assert words in str(caught.value), str(caught.value)
+
+
+def test_sglang_chat_response_token_ids_are_read(checkpoint, tmp_path):
+    """SGLang's chat with return_token_ids=true and no meta_info names the response's ids response_token_ids
+    (sglang 0.5.23 ChatCompletionResponseChoice): read by id, so choice 1's emoji (U+FFFD bytes) reads too. It was
+    left out, its ids ignored."""
+    content = fixture("sglang-0.5-chat-meta-info.json")
+    responses = [[e[1] for e in c["meta_info"]["output_token_logprobs"]] for c in content["choices"]]
+    choices = [dict({k: v for k, v in c.items() if k != "meta_info"}, response_token_ids=r)
+               for c, r in zip(content["choices"], responses)]
+    path = tmp_path / "chat-token-ids.json"
+    path.write_text(json.dumps(dict(content, choices=choices)))
+    rollout = read_rollout(path, checkpoint)
+    assert [s.response for s in rollout.samples] == responses and not rollout.notes()
+
+
+def test_the_docs_vllm_offline_snippet_writes_what_the_reader_takes(monkeypatch, tmp_path):
+    """docs/rollouts.md's lines that save LLM.generate's outputs, run as written on stand-ins for vLLM's objects
+    (vLLM is not installed here): dataclasses with the attribute names of vllm/outputs.py's RequestOutput and
+    CompletionOutput and vllm/logprobs.py's Logprob, holding what vLLM holds (each position's {token_id: Logprob}
+    with the sampled token among the top-k, prompt_logprobs None at entry 0, token_ids a tuple, n = 2). The file it
+    writes reads back as the same prompt, responses and logprobs."""
+    @dataclass
+    class Logprob:
+        logprob: float
+        rank: int
+        decoded_token: str
+
+    @dataclass
+    class CompletionOutput:
+        index: int
+        text: str
+        token_ids: tuple
+        cumulative_logprob: float
+        logprobs: list
+        finish_reason: str
+        stop_reason: None = None
+
+    @dataclass
+    class RequestOutput:
+        request_id: str
+        prompt: str
+        prompt_token_ids: list
+        prompt_logprobs: list
+        outputs: list
+        finished: bool = True
+
+    def positions(tokens, values):  # the sampled token and, ranked first, another
+        return [None if v is None else {t + 1: Logprob(-0.1, 1, "x"), t: Logprob(v, 2, "y")}
+                for t, v in zip(tokens, values)]
+
+    echo = read_rollout(FIXTURES / "vllm-0.16-completions-stream.sse").samples[0]
+    prompt_values = [None] + [-1.5 - k for k in range(len(echo.prompt) - 1)]
+    outputs = [RequestOutput("0", "The capital of France is", echo.prompt, positions(echo.prompt, prompt_values),
+                             [CompletionOutput(j, "", tuple(echo.response), sum(echo.response_logprobs),
+                                               positions(echo.response, echo.response_logprobs), "length")
+                              for j in range(2)])]
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "rollouts.md").read_text()
+    snippet = doc.split("### vLLM offline")[1].split("```python\n")[1].split("```")[0]
+    kept = [line for line in snippet.splitlines() if not line.startswith(("from vllm ", "llm = ", "outputs = "))]
+    assert len(kept) == len(snippet.splitlines()) - 3, snippet  # only the lines that need vLLM itself
+    monkeypatch.chdir(tmp_path)
+    exec("\n".join(kept), {"outputs": outputs})
+    samples = read_rollout(tmp_path / "rollout.json").samples
+    assert [(s.prompt, s.response, s.response_logprobs) for s in samples] == \
+        [(echo.prompt, echo.response, echo.response_logprobs)] * 2
+    assert samples[0].prompt_logprobs == prompt_values
