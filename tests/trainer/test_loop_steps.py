@@ -154,9 +154,10 @@ def test_a_relative_out_survives_a_chdir_and_a_dumper_never_closed_says_so(tmp_p
         assert left == []  # its staging folder removed
 
 
+
 def clipped_loop(out: Path, clip_part: bool) -> None:
-    """Two steps of a small model, clipped and stepped inside the Dumper's step block (its parameters read
-    after the update); `clip_part`: the planted bug, the norm taken over the last layer only (as a
+    """Two steps of a small model, clipped inside the Dumper's step block and stepped after it, as
+    Dumper.step says; `clip_part`: the planted bug, the norm taken over the last layer only (as a
     rank's own shard's would be), and only its gradients clipped."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -170,14 +171,14 @@ def clipped_loop(out: Path, clip_part: bool) -> None:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(list(model.parameters())[2:] if clip_part else model.parameters(),
                                                0.01)
-                optimizer.step()
+            optimizer.step()
             optimizer.zero_grad()
 
 
 def test_the_first_divergence_follows_the_computation_a_clip_bug_at_its_gradients(tmp_path):
-    """The clip bug changes step 0's parameter gradients, and then the parameters the optimizer step
-    makes from them: the first divergence is the gradients (the parameters, read where the block ends,
-    stood first before the order put them after the gradients)."""
+    """Each step's rows in the order of the computation: the parameters its forward uses, the forward,
+    the loss, the activation gradients, the parameter gradients. The clip bug is first seen at step 0's
+    gradients; step 1's parameters, made from them, are the first of step 1."""
     clipped_loop(tmp_path / "a", clip_part=False)
     clipped_loop(tmp_path / "twin", clip_part=False)
     assert invoke("compare", tmp_path / "a", tmp_path / "twin").exit_code == 0
@@ -185,6 +186,8 @@ def test_the_first_divergence_follows_the_computation_a_clip_bug_at_its_gradient
     result = invoke("compare", tmp_path / "a", tmp_path / "b")
     assert result.exit_code == 1, result.output
     assert "first divergence: param_grad step0/0.weight\n" in result.output
-    kinds = [line.split()[1] for line in result.output.splitlines() if line.split()[:1] != [] and
-             line.split()[0].isdigit() and " step0/" in line]
-    assert kinds == sorted(kinds, key=["act", "loss", "act_grad", "param_grad", "param"].index), kinds
+    assert "first failure per kind: param_grad step0/0.weight; param step1/0.bias;" in result.output
+    rows = [line.split()[:3] for line in result.output.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    for step in ("step0/", "step1/"):
+        kinds = [kind for _, kind, name in rows if name.startswith(step)]
+        assert kinds == sorted(kinds, key=["param", "act", "loss", "act_grad", "param_grad"].index), kinds
