@@ -21,8 +21,9 @@ import typer
 from typer.exceptions import TyperException
 
 from megalign.errors import UserError
-from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, NoColor, Plot,
-                                  StrictNonfinite, Threshold, Tolerance, Workers, check_judging, run_compare)
+from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, Kinds, NoColor, Plot,
+                                  SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging,
+                                  run_compare)
 from megalign.cli.render import console, fail, use_color
 from megalign.cli.run import parse_run
 from megalign.options import Mode, Output, RunConfig, flag
@@ -47,6 +48,8 @@ def check(
                                    help="Replace the dumps of an earlier check in --out (only megalign dumps are "
                                         "ever replaced). Default: refuse existing dumps."),
     filter: Filter = None,
+    kind: Kinds = None,
+    skip_kind: SkipKinds = None,
     threshold: Threshold = None,
     tolerance: Tolerance = [],
     allow_skipped: AllowSkipped = None,
@@ -62,7 +65,7 @@ def check(
     """Run a baseline and a target (any options of forward/backward) and compare them: exit 0 when they agree, 1 when
     they diverge or a run crashed, 2 for bad input."""
     use_color(no_color)
-    judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
+    judging = Judging(filter=filter, kind=kind, skip_kind=skip_kind, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
                       allow_missing=allow_missing, strict_nonfinite=strict_nonfinite, json_out=json_out, plot=plot,
                       workers=workers, fmt=fmt)
     runs = {"baseline": ("--baseline", baseline), "target": ("--target", target)}

@@ -10,6 +10,7 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from megalign.compare.explain import explain
+from megalign.compare.kind_choice import KindChoice
 from megalign.compare.outputs import Output, check_outputs, write_replacing
 from megalign.compare.report import is_report, write_jsonl
 from megalign.compare.rollout_findings import find, is_worst_file, write_worst
@@ -19,6 +20,7 @@ from megalign.compare.thresholds import Thresholds
 from megalign.compare.pipeline import compare_sources
 from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, SKIPPED,
                                       UNVERIFIABLE, Row, Span)
+from megalign.dump.format import KINDS
 from megalign.errors import UserError
 from megalign.cli.rollout import print_rollout
 from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, print_table, reader_may_leave,
@@ -33,6 +35,12 @@ _STATUS_STYLE = {PASS: "green", FAIL: "bold red", SHAPE_MISMATCH: "bold red", ON
 Filter = Annotated[Optional[str], typer.Option(
     "--filter", metavar="REGEX", help="Only compare tensors whose name matches REGEX (re.search). A filter that "
                                       "matches nothing is an error (exit 2). Default: all.")]
+Kinds = Annotated[Optional[str], typer.Option(
+    "--kind", metavar="KIND[,KIND...]", help=f"Only compare tensors of these kinds ({', '.join(KINDS)}); with --filter, "
+                                             "tensors both select. An unknown kind is an error (exit 2). Default: all.")]
+SkipKinds = Annotated[Optional[str], typer.Option(
+    "--skip-kind", metavar="KIND[,KIND...]", help="Leave out tensors of these kinds (e.g. activation_grad), also from "
+                                                  "what --kind keeps. Default: none.")]
 Threshold = Annotated[Optional[float], typer.Option(
     "--threshold", metavar="X", help="Relative-difference threshold for every tensor, overriding the per-kind "
                                      "defaults (finite, >= 0). Default: per kind and precision.")]
@@ -70,6 +78,8 @@ class Judging:
     """What `compare` and `check` were told about judging and printing."""
 
     filter: Optional[str] = None
+    kind: Optional[str] = None
+    skip_kind: Optional[str] = None
     threshold: Optional[float] = None
     tolerance: list[str] = field(default_factory=list)
     allow_skipped: Optional[str] = None
@@ -90,6 +100,8 @@ def compare(
     b: Optional[Path] = typer.Argument(None, metavar="B", show_default=False,
                                        help="Second dump, of any of the same kinds (only --explain may leave it out)."),
     filter: Filter = None,
+    kind: Kinds = None,
+    skip_kind: SkipKinds = None,
     threshold: Threshold = None,
     tolerance: Tolerance = [],
     reference: Optional[Path] = typer.Option(None, "--reference", metavar="R",
@@ -126,26 +138,27 @@ def compare(
         raise typer.Exit(run_explain(inputs, explain))
     if b is None:
         fail("compare needs two inputs, A and B (only --explain NAME reads one)", 2)
-    judging = Judging(filter=filter, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
+    judging = Judging(filter=filter, kind=kind, skip_kind=skip_kind, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
                       allow_missing=allow_missing, strict_nonfinite=strict_nonfinite, json_out=json_out, plot=plot,
                       workers=workers, fmt=fmt, export_worst=export_worst)
     raise typer.Exit(run_compare(a, b, reference, judging))
 
 
-def check_judging(judging: Judging, inputs: list[Path]) -> Thresholds:
+def check_judging(judging: Judging, inputs: list[Path]) -> tuple[Thresholds, KindChoice]:
     """The bad input a comparison can be refused for before anything is read or run."""
+    kinds = KindChoice(judging.kind, judging.skip_kind)
     worst_n, worst_file = judging.export_worst or (None, None)
     if worst_n is not None and worst_n < 1:
         raise UserError(f"--export-worst {worst_n}: N must be at least 1")
     check_outputs([Output("--json", judging.json_out, is_report, "report"), Output("--plot", judging.plot),
                    Output("--export-worst", worst_file, is_worst_file, "worst-sequences file")], inputs)
-    return Thresholds.from_cli(judging.threshold, judging.tolerance)
+    return Thresholds.from_cli(judging.threshold, judging.tolerance), kinds
 
 
 def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -> int:
     """Compare, print the table and summary, write the reports; the exit code (2 after a one-line error)."""
     try:
-        thresholds = check_judging(judging, [a, b] + ([reference] if reference else []))
+        thresholds, kinds = check_judging(judging, [a, b] + ([reference] if reference else []))
         pair = open_pair(a, b)  # a rollout file and a dump of its tokens, laid out alike
         if judging.export_worst and pair is None:
             raise UserError("--export-worst writes a rollout file's worst sequences: neither A nor B is a rollout "
@@ -155,7 +168,8 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
         source_r = pair.view(reference_dump) if pair and reference_dump else reference_dump
         report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
                                  allow_skipped=judging.allow_skipped, reference=source_r,
-                                 allow_missing=judging.allow_missing, strict_nonfinite=judging.strict_nonfinite)
+                                 allow_missing=judging.allow_missing, strict_nonfinite=judging.strict_nonfinite,
+                                 kinds=kinds)
         findings = find(pair, report, reference_dump) if pair else None
     except UserError as e:
         fail(str(e), e.exit_code)

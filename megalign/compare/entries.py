@@ -18,9 +18,13 @@ from megalign.dump.format import Kind
 from megalign.dump.layout import BatchRow
 from megalign.dump.stats import TensorStats
 
-# Execution order: the parameters the forward uses, forward tensors (every other kind, and foreign
-# ones: phase 0), then activation gradients (in backward order), then the parameter gradients that
-# the optimizer step would see.
+# The order of the computation, within a step: the parameters the step's forward uses (a Dumper reads
+# them where the step block ends, which comes before the optimizer step: Dumper.step), the forward
+# (inputs, activations in the order their modules ran, logits, the loss: every kind not named here,
+# and foreign ones: phase 0), then the activation gradients in the order backward produced them (each
+# rank's record order: the last layer's first), then the parameter gradients the optimizer step will
+# see. Sources build their entries' order from phase() and their own record order; a step's tensors
+# all come before the next step's (steps.py).
 PHASES = {Kind.PARAM: -1, Kind.ACTIVATION_GRAD: 1, Kind.PARAM_GRAD: 2}
 
 

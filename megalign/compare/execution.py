@@ -24,6 +24,7 @@ from megalign.compare.fused import Sums
 from megalign.compare.judge import Rules, judge_apart, judge_one_sided, judge_pair
 from megalign.compare.matching import Pair
 from megalign.compare.metrics import TensorMetrics, metrics_of, pair_sums
+from megalign.compare.rank_rows import rank_rows
 from megalign.compare.records import BY_OP_MAP, BY_PATTERN, Row, Verdict
 
 # Pairs with a side over STREAM_BYTES are compared a window of about WINDOW_BYTES at a time (rows
@@ -42,6 +43,7 @@ class Execution:
         self.pairs, self.rules, self.missable = pairs, rules, missable
         self.in_reference = {(e.kind, e.name): e for e in reference.entries} if reference else {}
         self.sides_a, self.sides_b = absent.Sides.of(a, b), absent.Sides.of(b, a)  # seen from a row of A / of B
+        self.layouts = [source.dump.layout if source.dump is not None else None for source in (a, b)]
         # Enough for the largest pair compared whole, and at least the largest tensor's size, so that
         # many cores compare many pairs side by side while memory stays within twice the largest tensor.
         largest = max((e.nbytes or 0 for p in pairs for e in (p.a, p.b) if e is not None), default=0)
@@ -139,7 +141,8 @@ class Execution:
         """The judge's verdict, with the reference's value where both sides hold values."""
         r = self.in_reference.get((pair.kind, pair.name))
         truth = r.load() if r is not None and x.tensor is not None and y.tensor is not None else None
-        return judge_pair(pair.kind, pair.name, x, y, self.rules, truth=truth, metrics=metrics)
+        return judge_pair(pair.kind, pair.name, x, y, self.rules, truth=truth, metrics=metrics,
+                          rows=rank_rows(pair, *self.layouts))
 
     def _chunk(self, pair: Pair, windows: tuple[Window, ...]) -> "_Chunk":
         """The sums of a run of a big pair's windows, read one at a time into two buffers of a window

@@ -13,7 +13,9 @@ Value), nothing is read from a file. The rules of judge_pair, in the order they 
 - the relative difference over the threshold (NaN included): FAIL; NaN/Inf counts that differ: FAIL;
   NaN/Inf alike on both sides: a note, FAIL only with strict_nonfinite;
 - with a reference's values of the same shape: its verdict instead of the threshold (reference.py);
-- without one, where the default threshold applies: the scale check (scale.py), FAIL when off.
+- without one, where the default threshold applies: the scale check (scale.py), FAIL when off: a
+  factor that explains the difference (removing it leaves rounding), noted as `rescaled`;
+A failing row whose difference sits in one DP rank's rows only says so (rank_rows.py).
 judge_kinds then fails the tensors of a kind rescaled as a whole, or of a pool of small ones.
 """
 
@@ -29,9 +31,10 @@ from megalign.compare import reference
 from megalign.compare.entries import Value
 from megalign.compare.metrics import (StatsMetrics, TensorMetrics, logprob_metrics, metrics_of, routing_metrics,
                                       stats_metrics, tensor_metrics)
+from megalign.compare.rank_rows import RankRows, only_rank
 from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                       UNVERIFIABLE, Row, Verdict)
-from megalign.compare.scale import KindScale, SmallScale, check_kinds, check_scale, check_small
+from megalign.compare.scale import KindScale, SmallScale, check_kinds, check_scale, check_small, explained
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
 from megalign.dump.format import PRECISIONS
 from megalign.dump.stats import TensorStats
@@ -52,9 +55,10 @@ class Rules:
 
 
 def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Optional[Value] = None,
-               metrics: Optional[TensorMetrics] = None) -> Verdict:
+               metrics: Optional[TensorMetrics] = None, rows: Optional[RankRows] = None) -> Verdict:
     """The verdict on A's value `x` against B's `y` (the module's docstring); `truth`: the reference's
-    value; `metrics`: already computed (a pair compared a window at a time, whose Values hold no tensor)."""
+    value; `metrics`: already computed (a pair compared a window at a time, whose Values hold no tensor);
+    `rows`: which DP rank's rows each block of a batch-split side holds."""
     v = Verdict(shape_a=x.shape, shape_b=y.shape, dtype_a=x.dtype, dtype_b=y.dtype)
     problems = [f"{side}: {value.problem}" for side, value in (("A", x), ("B", y)) if value.problem]
     if problems:
@@ -103,6 +107,9 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
         v.notes.append(v.scale.note())
     strict = rules.strict_nonfinite and v.nonfinite_in_both
     v.status = FAIL if diverged or m.nonfinite_mismatch or replicas_disagree or strict else PASS
+    if v.status == FAIL and rows is not None and v.threshold is not None and x.tensor is not None and \
+            y.tensor is not None and (rank := only_rank(x.tensor, y.tensor, rows, v.threshold)) is not None:
+        v.notes.append(rows.note(rank))
     return v
 
 
@@ -123,8 +130,10 @@ def judge_apart(shape_a: Optional[list[int]], shape_b: Optional[list[int]], why:
 def judge_kinds(rows: list[Row]) -> tuple[list[KindScale], list[SmallScale]]:
     """A kind rescaled as a whole (scale.check_kinds), or a pool of small tensors (scale.check_small),
     fails on each of its rows, the first of them named as the first divergence: the factor is in every
-    one, under each one's own rounding. The pools that are off or stay unverified are returned too."""
-    judged = [row for row in rows if row.scale is not None and row.status in (PASS, FAIL)]
+    one, under each one's own rounding. The pools that are off or stay unverified are returned too. A
+    row no factor explains (scale.explained) is no part of them: its difference is of another kind."""
+    judged = [row for row in rows if row.scale is not None and row.status in (PASS, FAIL) and
+              explained(row.metrics, row.threshold)]
     off = check_kinds((row.index, row.kind, row.name, row.scale) for row in judged)
     pools = check_small((row.index, row.kind, row.name, row.scale, row.metrics.norm_a, row.metrics.norm_b)
                         for row in judged)

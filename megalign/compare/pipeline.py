@@ -16,6 +16,7 @@ import torch
 from megalign.compare.entries import Source
 from megalign.compare.execution import Execution
 from megalign.compare.judge import Rules, judge_kinds
+from megalign.compare.kind_choice import KindChoice
 from megalign.compare.lineup import line_up
 from megalign.compare.objective import on_objective_scale
 from megalign.compare.matching import Pair, match_entries
@@ -33,8 +34,9 @@ class NothingCompared(UserError):
 def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
                     workers: Optional[int] = None, allow_skipped: Optional[str] = None,
                     reference: Optional[Source] = None, allow_missing: Optional[str] = None,
-                    strict_nonfinite: bool = False) -> Report:
-    """Compare every tensor of the two sources; NothingCompared when not one pair was compared.
+                    strict_nonfinite: bool = False, kinds: KindChoice = KindChoice()) -> Report:
+    """Compare every tensor of the two sources (of the `kinds` chosen); NothingCompared when not one pair
+    was compared.
     With `reference` (an fp64 run), the verdict is reference.py's rule instead of the thresholds.
     `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
     a, b, reference = share_steps(a, b, reference)  # a training loop's dumps: the steps all hold
@@ -43,7 +45,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     pattern, skippable, missable = (compile_pattern(option, value) if value else None for option, value in
                                     (("--filter", name_filter), ("--allow-skipped", allow_skipped),
                                      ("--allow-missing", allow_missing)))
-    pairs = _chosen(match_entries(a, b), pattern, name_filter)
+    pairs = _chosen(match_entries(a, b), pattern, name_filter, kinds)
     if reference is not None:
         check_reference(reference, a, b)
     rules = Rules(thresholds, run_a=a.precision, run_b=b.precision, strict_nonfinite=strict_nonfinite,
@@ -58,13 +60,17 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     return report
 
 
-def _chosen(matched: list[Pair], pattern: Optional[re.Pattern], name_filter: Optional[str]) -> list[Pair]:
-    """The pairs --filter (`name_filter`, compiled to `pattern`) names: none at all is bad input."""
-    pairs = [p for p in matched if pattern is None or pattern.search(p.name)]
+def _chosen(matched: list[Pair], pattern: Optional[re.Pattern], name_filter: Optional[str],
+            kinds: KindChoice) -> list[Pair]:
+    """The pairs --filter (`name_filter`, compiled to `pattern`) names, of the kinds --kind and --skip-kind
+    keep: none at all is bad input."""
+    pairs = [p for p in matched if (pattern is None or pattern.search(p.name)) and kinds.admits(p.kind)]
     if not matched:
         raise NothingCompared("A and B hold no tensor: nothing compared")
     if not pairs:
-        raise NothingCompared(f"--filter {name_filter!r} matches none of the {len(matched)} tensors: nothing compared")
+        given = ([f"--filter {name_filter!r}"] if name_filter else []) + kinds.given()
+        verb = "together match" if len(given) > 1 else "matches"
+        raise NothingCompared(f"{' and '.join(given)} {verb} none of the {len(matched)} tensors: nothing compared")
     return pairs
 
 

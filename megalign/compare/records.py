@@ -15,6 +15,7 @@ from typing import Optional, Union
 
 from megalign.compare.entries import Source
 from megalign.compare.metrics import LogprobMetrics, RoutingMetrics, StatsMetrics, TensorMetrics
+from megalign.compare.rank_rows import is_rank_note
 from megalign.compare.reference import ReferenceVerdict
 from megalign.compare.scale import KindScale, Scale, SmallScale
 from megalign.dump.format import Kind
@@ -255,6 +256,8 @@ class Report:
                           (": the tensors after it see other experts", None)])
         if s.first_divergence:
             lines.append([("first divergence:", "bold red"), (" ", None), (s.first_divergence, None)])
+            lines += [[("  ", None), (note, None)] for note in self.rows[self.first_divergence].notes
+                      if is_rank_note(note)]
             per_kind = "; ".join(f"{kind} {name}" for kind, name in s.first_failure_by_kind.items())
             lines.append([("first failure per kind: ", None), (per_kind, None)])
         else:

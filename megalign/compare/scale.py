@@ -18,6 +18,14 @@ a wrong loss normalisation rescales every gradient by the same factor, while rou
 ratios both ways: the median ratio of a kind's tensors (check_kinds) reads the factor to a fraction of
 a percent, and fails the kind as a whole.
 
+A factor is only said where it explains the difference: B against A times the norm ratio s = |B|/|A|
+leaves the relative difference 1 - 2*s*sum(xy) / (s^2 |A|^2 + |B|^2) = 1 - cosine, rounding where that
+is within the tensor's threshold (explained). A label shift, dropout, another data shard or a
+permutation moves the norms too, but what they leave after any factor is far over the threshold: not a
+scale. Such a row fails on its relative difference (never below 1 - cosine), and is no part of its
+kind's median or of a pool of small tensors. --stats-only summaries hold no cosine: their ratios are
+judged alone.
+
 Where a tensor is so small that its tolerance is UNVERIFIED or wider (a bf16 norm gradient of 64
 elements: 9/8), and its threshold lets a factor 1.5 through too (bf16 gradients: 0.1 against 0.077),
 nothing verifies its scale. Such a row says so, and a
@@ -96,11 +104,18 @@ def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetri
         (metrics.mean_a * n, metrics.mean_b * n)
     norm_ratio, sum_ratio = ratios(n, (metrics.norm_a, metrics.norm_b), sums)
     limit = tolerance(precision, n)
-    off = any(not (deviation(r) <= limit) for r in (norm_ratio, sum_ratio) if r is not None)
+    off = explained(metrics, threshold) and any(not (deviation(r) <= limit) for r in (norm_ratio, sum_ratio)
+                                                if r is not None)
     # y = s*x has the relative difference (s-1)^2 / (1+s^2) (metrics.py): what a threshold lets through.
     unverified = limit >= UNVERIFIED and threshold >= UNVERIFIED ** 2 / (1 + (1 + UNVERIFIED) ** 2)
     return Scale(norm_ratio=norm_ratio, sum_ratio=sum_ratio, tolerance=limit, off=off, precision=precision,
                  unverified=unverified)
+
+
+def explained(metrics: Union[TensorMetrics, StatsMetrics], threshold: float) -> bool:
+    """Whether a factor explains the difference: B against A rescaled to B's norm differs by rounding
+    only (the module's docstring); a --stats-only pair's is not known, and taken as one."""
+    return isinstance(metrics, StatsMetrics) or 1 - metrics.cosine <= threshold
 
 
 @dataclass

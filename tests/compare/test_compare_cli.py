@@ -209,3 +209,36 @@ def test_stats_only_dumps_compare_by_summaries(dump):
     assert invoke("compare", dump(*CP1), stats).exit_code == 0
     failing = invoke("compare", dump(*CP2_LOCAL), stats)
     assert failing.exit_code == 1 and "stats only" in failing.output
+
+
+def test_two_dp_ranks_on_one_data_shard_are_named_by_rank(dump, tmp_path, monkeypatch):
+    """DP=2 against DP=1 agrees; the twin, DP rank 1 reading rank 0's rows (MEGALIGN_FAULT=same-rows@1),
+    fails first at the tokens, and the row and the summary say that only rank 1's rows differ, at 80
+    columns. Leaving the inputs out (--skip-kind), it is first seen at the first activation."""
+    assert invoke("compare", dump("backward"), dump("backward", "--dp", "2")).exit_code == 0
+    monkeypatch.setenv("MEGALIGN_FAULT", "same-rows@1")
+    assert invoke("backward", "--dp", "2", "--out", tmp_path / "same").exit_code == 0
+    said = "only B's DP rank 1 rows differ (random state, data sharding?)"
+    result = invoke("compare", dump("backward"), tmp_path / "same", "--format", "table", env={"COLUMNS": "80"})
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    assert f"first divergence: input tokens\n  {said}\n" in result.output
+    assert f"  0: {said}" in lines  # the row's note, under the table that leaves no room for it
+    assert max(map(len, lines[lines.index(""):lines.index("first divergence: input tokens") + 2])) <= 80
+    skipped = invoke("compare", dump("backward"), tmp_path / "same", "--skip-kind", "input", "--filter", "embedding")
+    assert skipped.exit_code == 1, skipped.output
+    assert f"first divergence: activation embedding.word_embeddings\n  {said}\n" in skipped.output
+
+
+def test_kinds_are_chosen_by_name_and_an_unknown_one_is_refused(dump):
+    a, b = dump(*CP1), dump(*CP2_LOCAL)
+    kept = invoke("compare", a, b, "--kind", "loss,param_grad", "--filter", "loss|layers.1")
+    assert kept.exit_code == 1 and "7 compared" in kept.output, kept.output
+    left = invoke("compare", a, b, "--skip-kind", "loss,param_grad,activation_grad")
+    assert left.exit_code == 0, left.output
+    unknown = invoke("compare", a, b, "--kind", "param_grads")
+    assert unknown.exit_code == 2 and unknown.output == (
+        "error: --kind 'param_grads': unknown kind 'param_grads'; kinds: input, activation, activation_grad, "
+        "param_grad, logits, logprobs, loss, routing, param\n")
+    none = invoke("compare", a, b, "--kind", "routing")
+    assert none.exit_code == 2 and "--kind 'routing' matches none of the" in none.output

@@ -13,6 +13,7 @@ import torch
 from megalign.compare.entries import ReplicaGap, Value
 from megalign.compare.judge import Rules, judge_apart, judge_kinds, judge_one_sided, judge_pair
 from megalign.compare.metrics import LogprobMetrics, StatsMetrics, pair_sums, tensor_metrics
+from megalign.compare.rank_rows import RankRows
 from megalign.compare.records import (APART, BY_OP_MAP, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                       UNVERIFIABLE, Row, Summary)
 from megalign.compare.thresholds import Thresholds
@@ -160,6 +161,68 @@ def test_a_rescaled_tensor_fails_where_its_relative_difference_passes():
     assert rescaled.notes[-1].startswith("rescaled: norm ratio B/A 1.5")
     same = judged("param_grad", x, x.clone(), BF16)
     assert same.status == PASS and not same.scale.off
+
+
+def _label_shift() -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy's gradient at the logits, softmax - one_hot(label), for labels and for labels shifted by one."""
+    logits = randn(64, 32)
+    labels = torch.randint(0, 32, (65,), generator=torch.Generator().manual_seed(1))
+    grad = lambda target: torch.softmax(logits, -1) - torch.nn.functional.one_hot(target, 32)  # noqa: E731
+    return grad(labels[:64]), grad(labels[1:])
+
+
+def _dropout(x: torch.Tensor) -> torch.Tensor:
+    keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(2)) > 0.1
+    return x * keep / 0.9
+
+
+@pytest.mark.parametrize("a, b", [
+    _label_shift(),
+    (randn(64, 32), _dropout(randn(64, 32))),  # dropout left on one side: norm ratio 1.05
+    (randn(64, 32), randn(64, 32).roll(1, 0)),  # a permutation: norm ratio 1
+    (randn(64, 32), 1.3 * randn(64, 32).roll(1, 0)),  # and times 1.3: a factor, but not all of the difference
+])
+def test_a_difference_no_factor_explains_fails_without_being_called_rescaled(a, b):
+    """Removing the norm ratio from B leaves far more than rounding (1 - cosine over the threshold)."""
+    v = judged("activation_grad", a, b)
+    assert v.status == FAIL and not v.scale.off and not any("rescaled" in note for note in v.notes)
+    assert 1 - v.metrics.cosine > v.threshold
+
+
+def test_a_factor_that_explains_the_difference_is_called_rescaled():
+    """The twin: B is A times 2 up to fp32 rounding, what averaged gradients or a loss over half the tokens give."""
+    x = randn(64, 32)
+    v = judged("activation_grad", x, (2 * x) * (1 + 1e-7 * randn(64, 32, seed=3)))
+    assert v.status == FAIL and v.scale.off and v.notes == [v.scale.note()]
+    assert v.notes[0].startswith("rescaled: norm ratio B/A 2, ") and 1 - v.metrics.cosine <= v.threshold
+
+
+def test_a_kind_is_rescaled_as_a_whole_only_where_a_factor_explains_its_tensors():
+    """Eight bf16 matrices permuted and times 1.1 fail on their own, and their median ratio 1.1 is no
+    kind rescaled; the twin, times 1.1 alone, is (test_gradients_rescaled_as_a_whole_fail_together)."""
+    tensors = [randn(64, 64, seed=i) for i in range(8)]
+    rows = [Row.of(i, "param_grad", f"l.{i}", i, judge_pair("param_grad", f"l.{i}", value(x), value(1.1 * x.roll(1, 0)),
+                                                           BF16)) for i, x in enumerate(tensors)]
+    assert judge_kinds(rows) == ([], []) and all(r.status == FAIL and not r.notes for r in rows)
+    rescaled, _ = judge_kinds(_rows(tensors, 1.1))
+    assert [whole.median_ratio for whole in rescaled] == [pytest.approx(1.1, rel=1e-3)]
+
+
+HALVES = RankRows(side="B", dim=1, blocks=((0, 0, 2), (1, 2, 4)))  # [seq, batch, hidden], 2 rows a DP rank
+
+
+@pytest.mark.parametrize("ranks, note", [
+    ([1], "only B's DP rank 1 rows differ (random state, data sharding?)"),
+    ([0], "only B's DP rank 0 rows differ (random state, data sharding?)"),
+    ([0, 1], None),  # the twin: every rank's rows differ, the cause is no one rank's
+])
+def test_a_difference_in_one_dp_rank_s_rows_names_the_rank(ranks, note):
+    x = randn(8, 4, 16)
+    y = x.clone()
+    for rank in ranks:
+        y[:, 2 * rank:2 * rank + 2] = _dropout(x[:, 2 * rank:2 * rank + 2])
+    v = judge_pair("activation", "t", value(x), value(y), FP32, rows=HALVES)
+    assert v.status == FAIL and [n for n in v.notes if "rows differ" in n] == ([note] if note else [])
 
 
 def test_a_threshold_the_user_sets_is_judged_alone_without_the_scale_check():

@@ -152,3 +152,42 @@ def test_a_relative_out_survives_a_chdir_and_a_dumper_never_closed_says_so(tmp_p
         assert done.stderr == (f"megalign:0: UserWarning: megalign.Dumper({str(out)!r}) was never closed: nothing "
                                "was written (call close(), or use the Dumper in a with block)\n")
         assert left == []  # its staging folder removed
+
+
+
+def clipped_loop(out: Path, clip_part: bool) -> None:
+    """Two steps of a small model, clipped inside the Dumper's step block and stepped after it, as
+    Dumper.step says; `clip_part`: the planted bug, the norm taken over the last layer only (as a
+    rank's own shard's would be), and only its gradients clipped."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with megalign.Dumper(out, params=True) as dumper:
+        dumper.watch(model)
+        for step in range(2):
+            with dumper.step(step):
+                loss = model(torch.linspace(-1, 1, 12).view(3, 4) * (step + 1)).square().mean()
+                dumper.add("loss", "loss", loss.detach())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(list(model.parameters())[2:] if clip_part else model.parameters(),
+                                               0.01)
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def test_the_first_divergence_follows_the_computation_a_clip_bug_at_its_gradients(tmp_path):
+    """Each step's rows in the order of the computation: the parameters its forward uses, the forward,
+    the loss, the activation gradients, the parameter gradients. The clip bug is first seen at step 0's
+    gradients; step 1's parameters, made from them, are the first of step 1."""
+    clipped_loop(tmp_path / "a", clip_part=False)
+    clipped_loop(tmp_path / "twin", clip_part=False)
+    assert invoke("compare", tmp_path / "a", tmp_path / "twin").exit_code == 0
+    clipped_loop(tmp_path / "b", clip_part=True)
+    result = invoke("compare", tmp_path / "a", tmp_path / "b")
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param_grad step0/0.weight\n" in result.output
+    assert "first failure per kind: param_grad step0/0.weight; param step1/0.bias;" in result.output
+    rows = [line.split()[:3] for line in result.output.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    for step in ("step0/", "step1/"):
+        kinds = [kind for _, kind, name in rows if name.startswith(step)]
+        assert kinds == sorted(kinds, key=["param", "act", "loss", "act_grad", "param_grad"].index), kinds

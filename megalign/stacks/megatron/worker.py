@@ -95,7 +95,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     rows = batch_rows(spec)
     batch = build_batch(spec.tokens, rows, spec.label_mask).as_dict()
     # Each DP rank takes its contiguous share of the rows, then each CP rank its chunks of those.
-    mine = dp_rows(len(rows), layout.dp, coords.dp_rank)
+    mine = dp_rows(len(rows), layout.dp, _rows_read(rank, coords.dp_rank))
     batch = {key: value[mine] for key, value in batch.items()}
     cp_group = parallel_state.get_context_parallel_group()
     packed = None
@@ -185,6 +185,13 @@ def _inject_fault(rank: int) -> None:
         raise RuntimeError(f"fault injected by MEGALIGN_FAULT={fault}")
     if kind == "hang":
         time.sleep(10 ** 6)
+
+
+def _rows_read(rank: int, dp_rank: int) -> int:
+    """The DP rank whose rows this rank reads: its own, but DP rank 0's under MEGALIGN_FAULT=same-rows@R on
+    rank R (two ranks on one data shard): how the tests plant a difference in one rank's rows."""
+    kind, _, target = os.environ.get("MEGALIGN_FAULT", "").partition("@")
+    return 0 if kind == "same-rows" and int(target or 0) == rank else dp_rank
 
 
 def _planted_weights(weights):
