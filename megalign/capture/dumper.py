@@ -283,6 +283,8 @@ class Dumper:
 
     def _watch(self, module: torch.nn.Module, prefix: str, batch_dim: Optional[int], outputs: bool, cp_split: str,
                seq_dim: Optional[int]) -> None:
+        if self._dp_ranks is not None and (placed := torch_adapter.place_tensor_parallel(module, self._dp_ranks)):
+            self._place_again(*placed)
         adapter, module = _adapter_for(module, self.layout, self._dp_ranks, outputs, batch_dim)
 
         def named(path: str) -> str:
@@ -308,6 +310,18 @@ class Dumper:
                                        saw_rows=self._saw_rows, lost_rows=self._lost_rows), named, seq_dim)
         self._cp_split = cp_split
         self._hooked.update(hooked)
+
+    def _place_again(self, coords: RankCoords, layout: Layout, dp_ranks: list[int]) -> None:
+        """The ranks as a watched model under parallelize_module places them (TP over its mesh), where
+        the Dumper had taken them all as DP ranks: before anything is recorded, which was placed so."""
+        if (coords, layout) == (self.coords, self.layout):
+            return
+        if self.records or self.layout.tp > 1:
+            raise ValueError("watch() a model under parallelize_module before add() or another model: what was "
+                             f"recorded was placed as {self.layout.describe()}, the model's mesh makes it "
+                             f"{layout.describe()}")
+        self.coords, self.layout, self._dp_ranks = coords, layout, dp_ranks
+        self._writer.coords = coords
 
     def _saw_rows(self, rows: tuple[BatchRow, ...], packed: bool) -> None:
         self._packed |= packed
