@@ -269,7 +269,10 @@ class Dumper:
         left-padded mask, DP ranks padded to different lengths) are dropped with a warning, never
         raised mid-step (capture/rows.py). torch's DDP is unwrapped (names as the model's own; its
         process_group must be the Dumper's DP group: `dp_group`); FSDP2 and tensor parallel's
-        DTensors are placed by their placements. Pipeline stages (`dp_group`) keep the whole model's
+        DTensors are placed by their placements. Under parallelize_module the ranks are placed again,
+        TP over the parallelized parameters' mesh (watch such a model before any add()), and the
+        outputs read are each parallelized module's, as the DTensor its forward returns, and any
+        DTensor output (other plain outputs, local pieces or replicas, are left out). Pipeline stages (`dp_group`) keep the whole model's
         module names. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
         megalign.Sharding). A module watched already is refused (its tensors would be dumped twice), and so is
         a module or parameter named as a repeat reads (`expert@1`: add() would refuse its tensors mid-run).
