@@ -299,3 +299,47 @@ def test_a_module_missing_from_the_map_is_caught():
     assert map_problems(planted) == ["not in the map: megalign/stacks/meta.py",
                                      "in the map, not in the package: megalign/stacks/gone.py"]
 
+
+
+# A script shown whole in the docs is the file a test runs: the line `<!-- the file PATH -->` puts it
+# in the fenced block right after it, and the block must be the file as it is. `python -m
+# tests.test_docs` writes each file into its block again, after the file changed.
+INCLUDE = re.compile(r"^(<!-- the file (\S+) -->\n```\w*\n)(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def included(text: str) -> list[tuple[str, str]]:
+    """(the file's path, the block's text) of every included file in a doc's text."""
+    return [(match.group(2), match.group(3)) for match in INCLUDE.finditer(text)]
+
+
+def include_again(text: str) -> str:
+    return INCLUDE.sub(lambda match: match.group(1) + (ROOT / match.group(2)).read_text() + "```", text)
+
+
+INCLUDED = [(path, file, block) for path in DOCS for file, block in included(path.read_text())]
+
+
+def test_the_trainer_page_shows_the_scripts_the_tests_run():
+    assert {file for path, file, _ in INCLUDED if path.name == "trainer.md"} == {
+        "tests/trainer/gpt2_train.py", "tests/trainer/tp_train.py", "tests/trainer/megatron_train.py"}
+
+
+@pytest.mark.parametrize("path, file, block", INCLUDED, ids=lambda v: str(v).removeprefix(f"{ROOT}/")[:60])
+def test_an_included_script_is_the_file_as_it_is(path, file, block):
+    assert block == (ROOT / file).read_text(), \
+        f"{path.relative_to(ROOT)} shows {file} as it was: run `python -m tests.test_docs` to show it as it is"
+
+
+def test_a_script_changed_after_it_was_included_is_caught():
+    """The failing twin: the page's copy of tp_train.py with one line changed is not the file."""
+    text = (ROOT / "docs" / "trainer.md").read_text()
+    planted = text.replace("clip_grad_norm(list(model.parameters()), 0.1)", "clip_grad_norm(list(model.parameters()), 1)")
+    assert planted != text
+    assert [file for file, block in included(planted) if block != (ROOT / file).read_text()] == \
+        ["tests/trainer/tp_train.py"]
+    assert include_again(planted) == text
+
+
+if __name__ == "__main__":
+    for doc in DOCS:
+        doc.write_text(include_again(doc.read_text()))

@@ -23,8 +23,8 @@ block ends; dump.json lists the steps written, and each rank's manifest marks wh
 records begin ("steps": [[n, first record], ...]). compare names a dump's tensors by step where it
 holds several (`step1/name`); `steps=` picks the steps written (capture/steps.py).
 
-In a user's trainer, `Dumper.from_env()` is the one line: MEGALIGN_DUMP=DIR turns dumping on,
-MEGALIGN_DUMP_STEPS picks the steps; unset, a NullDumper that installs nothing.
+In a user's trainer, `Dumper.from_env()` is the one line: MEGALIGN_DUMP=DIR turns dumping on
+(unset, a NullDumper that installs nothing), and MEGALIGN_* variables set keywords (ENVIRONMENT).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import re
 import time
 import warnings
 import weakref
@@ -141,20 +142,21 @@ class Dumper:
 
     @classmethod
     def from_env(cls, **options) -> Union["Dumper", "NullDumper"]:
-        """The one line for a trainer: a Dumper writing to $MEGALIGN_DUMP, its steps from
-        $MEGALIGN_DUMP_STEPS where set (else `options`' steps), or, with MEGALIGN_DUMP unset or
-        empty, a NullDumper whose methods do nothing. `options`: the Dumper's keyword arguments."""
+        """The one line for a trainer: a Dumper writing to $MEGALIGN_DUMP or, with MEGALIGN_DUMP
+        unset or empty, a NullDumper whose methods do nothing. `options`: the Dumper's keyword
+        arguments; each variable of ENVIRONMENT that is set and not empty overrides its keyword."""
         out = os.environ.get("MEGALIGN_DUMP")
         if not out:
             return NullDumper()
         if out != out.strip():  # MEGALIGN_DUMP=" " made a folder named " "
             raise UserError(f"MEGALIGN_DUMP={out!r} starts or ends with a blank: give the folder without them, or "
                             "leave MEGALIGN_DUMP unset or empty to dump nothing")
-        steps = os.environ.get("MEGALIGN_DUMP_STEPS")
-        if steps:
-            options["steps"] = choose_steps(steps, "MEGALIGN_DUMP_STEPS")
-        if reduction := os.environ.get("MEGALIGN_GRAD_REDUCTION"):
-            options["grad_reduction"] = check_stated(reduction, "MEGALIGN_GRAD_REDUCTION")
+        for variable, (keyword, read) in ENVIRONMENT.items():
+            if text := os.environ.get(variable):
+                try:
+                    options[keyword] = read(text, variable)
+                except ValueError as error:  # the keyword's own check, said of the variable
+                    raise UserError(str(error)) from None
         return cls(out, **options)
 
     @property
@@ -267,7 +269,10 @@ class Dumper:
         left-padded mask, DP ranks padded to different lengths) are dropped with a warning, never
         raised mid-step (capture/rows.py). torch's DDP is unwrapped (names as the model's own; its
         process_group must be the Dumper's DP group: `dp_group`); FSDP2 and tensor parallel's
-        DTensors are placed by their placements. Pipeline stages (`dp_group`) keep the whole model's
+        DTensors are placed by their placements. Under parallelize_module the ranks are placed again,
+        TP over the parallelized parameters' mesh (watch such a model before any add()), and the
+        outputs read are each parallelized module's, as the DTensor its forward returns, and any
+        DTensor output (other plain outputs, local pieces or replicas, are left out). Pipeline stages (`dp_group`) keep the whole model's
         module names. Under megatron-core's TP or CP, NotImplementedError (add() each tensor with its
         megalign.Sharding). A module watched already is refused (its tensors would be dumped twice), and so is
         a module or parameter named as a repeat reads (`expert@1`: add() would refuse its tensors mid-run).
@@ -283,6 +288,8 @@ class Dumper:
 
     def _watch(self, module: torch.nn.Module, prefix: str, batch_dim: Optional[int], outputs: bool, cp_split: str,
                seq_dim: Optional[int]) -> None:
+        if self._dp_ranks is not None and (placed := torch_adapter.place_tensor_parallel(module, self._dp_ranks)):
+            self._place_again(*placed)
         adapter, module = _adapter_for(module, self.layout, self._dp_ranks, outputs, batch_dim)
 
         def named(path: str) -> str:
@@ -308,6 +315,18 @@ class Dumper:
                                        saw_rows=self._saw_rows, lost_rows=self._lost_rows), named, seq_dim)
         self._cp_split = cp_split
         self._hooked.update(hooked)
+
+    def _place_again(self, coords: RankCoords, layout: Layout, dp_ranks: list[int]) -> None:
+        """The ranks as a watched model under parallelize_module places them (TP over its mesh), where
+        the Dumper had taken them all as DP ranks: before anything is recorded, which was placed so."""
+        if (coords, layout) == (self.coords, self.layout):
+            return
+        if self.records or self.layout.tp > 1:
+            raise ValueError("watch() a model under parallelize_module before add() or another model: what was "
+                             f"recorded was placed as {self.layout.describe()}, the model's mesh makes it "
+                             f"{layout.describe()}")
+        self.coords, self.layout, self._dp_ranks = coords, layout, dp_ranks
+        self._writer.coords = coords
 
     def _saw_rows(self, rows: tuple[BatchRow, ...], packed: bool) -> None:
         self._packed |= packed
@@ -547,13 +566,41 @@ def _never_closed(out: str, landing: contextlib.ExitStack, pid: int) -> None:
         landing.__exit__(RuntimeError, RuntimeError("never closed"), None)
 
 
-def _stated_precision(dtype: Union[str, torch.dtype]) -> str:
+def _stated_precision(dtype: Union[str, torch.dtype], where: str = "dtype") -> str:
     """Dumper's `dtype=` as dump.json names a precision."""
     name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
     precision = precision_name(name) if isinstance(name, str) else None
     if precision is None:
-        raise ValueError(f"dtype: one of {', '.join(PRECISIONS)} or a torch float dtype, got {dtype!r}")
+        raise ValueError(f"{where}: one of {', '.join(PRECISIONS)} or a torch float dtype, got {dtype!r}")
     return precision
+
+
+def _flag(text: str, where: str) -> bool:
+    if text not in ("0", "1", "true", "false"):
+        raise ValueError(f"{where}: 0, 1, true or false, got {text!r}")
+    return text in ("1", "true")
+
+
+def _pattern(text: str, where: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as error:
+        raise ValueError(f"{where}: not a regular expression ({error}): {text!r}") from None
+    return text
+
+
+# The environment's form of each Dumper keyword that has one (Dumper.from_env): variable -> (keyword,
+# its reading of the text, which names the variable in a ValueError). claim and dp_group have none:
+# a launcher's, and a process group.
+ENVIRONMENT: dict[str, tuple[str, Callable[[str, str], object]]] = {
+    "MEGALIGN_DUMP_STEPS": ("steps", choose_steps),
+    "MEGALIGN_OVERWRITE": ("overwrite", _flag),
+    "MEGALIGN_STATS_ONLY": ("stats_only", _flag),
+    "MEGALIGN_PARAMS": ("params", _flag),
+    "MEGALIGN_FILTER": ("name_filter", _pattern),
+    "MEGALIGN_DTYPE": ("dtype", _stated_precision),
+    "MEGALIGN_GRAD_REDUCTION": ("grad_reduction", check_stated),
+}
 
 
 def _autocast_precision(tensor: torch.Tensor) -> Optional[str]:

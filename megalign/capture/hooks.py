@@ -30,15 +30,17 @@ class Hooks:
     def __init__(self):
         self._handles: list = []
 
-    def on_outputs(self, module: torch.nn.Module, name: str, record: OutputRecorder) -> None:
-        """`record` each tensor `module` returns, named as output_name says."""
+    def on_outputs(self, module: torch.nn.Module, name: str, record: OutputRecorder, first: bool = False) -> None:
+        """`record` each tensor `module` returns, named as output_name says; `first`: before the
+        module's other forward hooks (those installed already, torch's tensor parallel styles', turn
+        its output into a plain local tensor)."""
         def hook(module, inputs, output):
             outputs = output if isinstance(output, (tuple, list)) else (output,)
             for index, tensor in enumerate(outputs):
                 if isinstance(tensor, torch.Tensor):
                     record(module, output_name(name, index), tensor, index)
 
-        self._handles.append(module.register_forward_hook(hook))
+        self._handles.append(module.register_forward_hook(hook, prepend=first))
 
     def on_input(self, module: torch.nn.Module, name: str,
                  record: Callable[[torch.nn.Module, str, torch.Tensor], None]) -> None:

@@ -2,7 +2,10 @@
 Adapter). torch's DDP (unwrapped: its replicas are the DP group's), FSDP2 and tensor parallel's
 DTensors (placed by their own placements: dtensor.py), and any module's outputs: split over DP
 ranks on `batch_dim`, token tensors on `seq_dim`, the rows' real tokens from each call's
-attention_mask. Ranks: torch.distributed's, each a DP rank over the world or over `dp_group`.
+attention_mask. Ranks: torch.distributed's, each a DP rank over the world or over `dp_group`; under
+parallelize_module, TP ranks over its mesh (place_tensor_parallel), and the outputs read are those
+whose placements are known: each parallelized module's, as the DTensor its forward returns (before
+the style's hook makes it a plain local piece), and any DTensor output.
 """
 
 from __future__ import annotations
@@ -47,6 +50,33 @@ def place(dp_group: Union[dist.ProcessGroup, "DeviceMesh", None]) -> tuple[RankC
             Layout(pp=len(groups), dp=len(members)), members)
 
 
+def place_tensor_parallel(model: torch.nn.Module, dp_ranks: list[int]
+                          ) -> Optional[tuple[RankCoords, Layout, list[int]]]:
+    """Under parallelize_module, where its mesh splits the model over more than one rank: this rank's
+    coordinates, the layout (TP over that mesh, DP over the rest of the world) and this rank's DP
+    group. The TP mesh is a parallelized parameter's: the styles take a 1-D mesh, and FSDP2 over TP
+    puts its own dims before it. A collective (every rank watches the model)."""
+    mesh = next((p.device_mesh for sub in model.modules() if _parallelized(sub)
+                 for p in sub.parameters(recurse=False) if is_dtensor(p)), None)
+    if mesh is None or mesh.size(mesh.ndim - 1) == 1:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    every: list = [None] * world
+    dist.all_gather_object(every, sorted(dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))))
+    groups = sorted(set(map(tuple, every)))
+    if sorted(r for group in groups for r in group) != list(range(world)) or len(set(map(len, groups))) != 1:
+        raise UserError(f"parallelize_module's meshes {[list(g) for g in groups]} do not split the world of {world} "
+                        "ranks into TP groups of one size")
+    mine = next(group for group in groups if rank in group)
+    tp_rank = mine.index(rank)
+    members = [group[tp_rank] for group in groups]  # the ranks of this rank's place in every TP group
+    if dp_ranks not in (list(range(world)), members):
+        raise UserError(f"dp_group: ranks {dp_ranks}; beside parallelize_module's TP groups {[list(g) for g in groups]} "
+                        f"the data-parallel group of rank {rank} is ranks {members}")
+    return (RankCoords(rank=rank, tp_rank=tp_rank, dp_rank=groups.index(mine)), Layout(tp=len(mine), dp=len(groups)),
+            members)
+
+
 def check_ddp_group(group: dist.ProcessGroup, dp_ranks: Optional[list[int]]) -> None:
     """torch DDP averages gradients over `group`: the Dumper's DP ranks must be its ranks, or its
     replicas would be placed over ranks that hold other values (a false FAIL) or not all of them."""
@@ -58,19 +88,21 @@ def check_ddp_group(group: dist.ProcessGroup, dp_ranks: Optional[list[int]]) -> 
 
 class TorchAdapter:
     """A model of torch's own modules. Refuses (NotImplementedError) watching the outputs of one
-    split over TP or CP ranks, whose outputs carry no placement."""
+    split over CP ranks, or over TP ranks other than parallelize_module's, whose outputs carry no
+    placement; under parallelize_module beside DP, too (a DTensor output is this DP rank's rows only)."""
 
     def __init__(self, model: torch.nn.Module, layout: Layout, outputs: bool, batch_dim: Optional[int]):
-        if outputs and (layout.tp > 1 or layout.cp > 1):
+        self.parallel = _tensor_parallel(model)
+        if outputs and (layout.cp > 1 or (layout.tp > 1 and not self.parallel)):
             # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
             raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
                                       "add() each tensor with its megalign.Sharding")
-        if outputs and _tensor_parallel(model):
-            # Its outputs are local pieces (parallelize_module hands them on as plain tensors, placement
-            # dropped): read as replicas or as the batch split, they would be put back together wrong.
-            raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module): its "
-                                      "outputs carry no placement; watch(model, outputs=False) dumps its parameters "
-                                      "and gradients (DTensors), add() an output with its megalign.Sharding")
+        if outputs and self.parallel and layout.dp > 1:
+            # The DTensor's mesh is the TP one: its whole is this DP rank's rows, which read as
+            # replicas of the other DP ranks' would disagree.
+            raise NotImplementedError("watch() of a model under torch's tensor parallelism (parallelize_module) "
+                                      "beside data parallelism: its outputs are placed over the TP ranks only; "
+                                      "watch(model, outputs=False) dumps its parameters and gradients (DTensors)")
         self.model, self.layout, self.batch_dim = model, layout, batch_dim
         self._batch: Optional[int] = None  # rows of the model's input on batch_dim, once it ran
         self._seq_len: Optional[int] = None  # tokens a row of the model's input, where seq_dim is given
@@ -102,12 +134,17 @@ class TorchAdapter:
             hooks.before_call(self.model, self._batch_hook(sink, batch_dim, seq_dim))
         for path, sub in self.model.named_modules():
             if path:  # the root's output is the caller's (logits, a loss): add() it with its own kind
-                hooks.on_outputs(sub, named(path), self._output_hook(sink, named(path), seq_dim))
+                hooks.on_outputs(sub, named(path), self._output_hook(sink, named(path), seq_dim),
+                                 first=_parallelized(sub))
 
     def _output_hook(self, sink: Sink, name: str, seq_dim: Optional[int]) -> Callable:
         rows_split = self.batch_dim is not None and self.layout.dp > 1  # each DP rank its own rows
 
         def record(module, key, tensor, index):
+            if self.parallel and not is_dtensor(tensor):
+                # A plain output of a tensor-parallel model (after a style's hook, or of a module between
+                # a column- and a row-parallel one) is a local piece or a replica: nothing says which.
+                return
             sharding = self._sharding(tensor, seq_dim)
             # An output every DP rank holds whole while each has other rows (a learned position
             # embedding's [1, s, d]): forward a replica, its gradient a partial sum over the ranks.
@@ -168,7 +205,12 @@ def _argument(module: torch.nn.Module, name: str) -> Callable[[tuple, dict], obj
 
 
 def _tensor_parallel(module: torch.nn.Module) -> bool:
-    """Whether torch's parallelize_module hooked a submodule: distribute_module marks each module it
-    hooks with `_distribute_module_applied` (private to torch; tests/trainer/test_torch_tp.py finds
-    a real model refused, so a torch that dropped the mark fails there)."""
-    return any(getattr(sub, "_distribute_module_applied", False) for sub in module.modules())
+    """Whether torch's parallelize_module hooked a submodule."""
+    return any(map(_parallelized, module.modules()))
+
+
+def _parallelized(module: torch.nn.Module) -> bool:
+    """Whether a parallel style hooked `module`: distribute_module marks each module it hooks with
+    `_distribute_module_applied` (private to torch; tests/trainer/test_torch_tp.py finds a real run
+    labelled TP, so a torch that dropped the mark fails there)."""
+    return getattr(module, "_distribute_module_applied", False)

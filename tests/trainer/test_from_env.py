@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import megalign
 from megalign.capture.steps import StepChoice, choose_steps
@@ -110,3 +111,40 @@ def test_a_bad_step_choice_is_a_user_error(text):
     with pytest.raises(UserError, match="MEGALIGN_DUMP_STEPS"):
         choose_steps(text, "MEGALIGN_DUMP_STEPS")
     assert StepChoice().all
+
+
+def dump_once(tmp_path: Path, monkeypatch, value: float, **env: str) -> Path:
+    """One from_env() dump of a tensor into tmp_path/dump, with `env` set."""
+    monkeypatch.setenv("MEGALIGN_DUMP", str(tmp_path / "dump"))
+    for key, text in env.items():
+        monkeypatch.setenv(key, text)
+    with megalign.Dumper.from_env() as dumper:
+        dumper.add("loss", "loss", torch.tensor(value))
+    return tmp_path / "dump"
+
+
+def test_megalign_overwrite_replaces_a_dump_and_without_it_the_dump_is_kept(tmp_path, monkeypatch):
+    out = dump_once(tmp_path, monkeypatch, 1.0)
+    with pytest.raises(UserError, match="overwrite"):
+        dump_once(tmp_path, monkeypatch, 2.0)
+    assert megalign.open(out).tensor("loss", "loss").item() == 1.0
+    dump_once(tmp_path, monkeypatch, 3.0, MEGALIGN_OVERWRITE="1")
+    assert megalign.open(out).tensor("loss", "loss").item() == 3.0
+
+
+@pytest.mark.parametrize("variable, text", [("MEGALIGN_OVERWRITE", "yes"), ("MEGALIGN_OVERWRITE", "True"),
+                                            ("MEGALIGN_STATS_ONLY", "2"), ("MEGALIGN_PARAMS", "on"),
+                                            ("MEGALIGN_FILTER", "layers.("), ("MEGALIGN_DTYPE", "bf17"),
+                                            ("MEGALIGN_GRAD_REDUCTION", "average")])
+def test_a_bad_keyword_variable_is_a_one_line_user_error_before_any_dump(tmp_path, monkeypatch, variable, text):
+    with pytest.raises(UserError, match=f"^{variable}: ") as error:
+        dump_once(tmp_path, monkeypatch, 1.0, **{variable: text})
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "dump").exists()
+
+
+def test_keyword_variables_set_their_keywords(tmp_path, monkeypatch):
+    out = dump_once(tmp_path, monkeypatch, 1.0, MEGALIGN_STATS_ONLY="true", MEGALIGN_DTYPE="bf16",
+                    MEGALIGN_FILTER="^loss$", MEGALIGN_GRAD_REDUCTION="sum")
+    meta = megalign.open(out).meta
+    assert (meta["stats_only"], meta["dtype"], meta["grad_reduction"]["by"]) == (True, "bf16", "stated: sum")
