@@ -49,7 +49,7 @@ from megalign.capture.hooks import Hooks
 from megalign.capture.rows import RowLog, rows_meta
 from megalign.capture.steps import Steps, choose_steps
 from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, Stated, check_stated
-from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
+from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, Kind, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
@@ -275,8 +275,22 @@ class Dumper:
         read: add() them. A refusal aborts the Dumper: no staging folder is left behind."""
         self._check_open("watch")
         self._reducers.watch(module)
-        try:
+        with self._refusal_aborts():
             self._watch(module, prefix, batch_dim, outputs, cp_split, seq_dim)
+
+    def hook_outputs(self, module: torch.nn.Module, adapter: Adapter) -> None:
+        """Dump every output of `module` and its gradient as `adapter` hooks them (capture/adapter.py),
+        and not its parameters: megalign's megatron worker, whose adapter writes what its runs dump
+        beyond a user's model (megatron_adapter.WorkerOutputs) and which reads its gradients itself."""
+        self._check_open("hook_outputs")
+        with self._refusal_aborts():
+            self._hook_outputs(adapter, module, adapter.name, "document", None)
+
+    @contextlib.contextmanager
+    def _refusal_aborts(self) -> Iterator[None]:
+        """A refused watch aborts the Dumper: no staging folder is left behind."""
+        try:
+            yield
         except Exception:
             self.abort()
             raise
@@ -291,13 +305,15 @@ class Dumper:
 
         # Names add() would refuse (check_name) are refused now, not from a hook in the middle of the run.
         _check_names("parameter", (named(path) for path, _ in module.named_parameters()))
-        if outputs:
-            _check_names("module", (named(path) for path, _ in module.named_modules() if path))
         for path, param in module.named_parameters():
             if adapter.dumps_param(path, param):
                 self._watched.setdefault(named(path), (param, adapter))
-        if not outputs:
-            return
+        if outputs:
+            self._hook_outputs(adapter, module, named, cp_split, seq_dim)
+
+    def _hook_outputs(self, adapter: Adapter, module: torch.nn.Module, named: Callable[[str], str], cp_split: str,
+                      seq_dim: Optional[int]) -> None:
+        _check_names("module", (named(path) for path, _ in module.named_modules() if path))
         hooked = [sub for path, sub in module.named_modules() if path]
         if any(sub in self._hooked for sub in hooked):
             raise ValueError("watch(): this model, or a module in it, is watched already: its outputs would be "
@@ -486,10 +502,10 @@ class Dumper:
         else:
             self.abort()
 
-    def _output(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View,
+    def _output(self, kind: Kind, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View,
                 grad_sharding: Optional[Sharding] = None) -> None:
         if self._writing:
-            self.add_output("activation", key, tensor, sharding, view=view, module=module, grad_sharding=grad_sharding)
+            self.add_output(kind, key, tensor, sharding, view=view, module=module, grad_sharding=grad_sharding)
 
     def _on_rank_zero(self, action: Callable[[], None]) -> None:
         """Run `action` on rank 0, which owns the staging folder; every rank raises if it failed, so
@@ -601,6 +617,9 @@ class NullDumper:
         return None
 
     def watch(self, *args, **kwargs) -> None:
+        return None
+
+    def hook_outputs(self, *args, **kwargs) -> None:
         return None
 
     def step(self, n: int) -> contextlib.nullcontext:
