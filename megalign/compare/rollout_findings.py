@@ -22,7 +22,7 @@ from megalign.errors import UserError, read_user_text
 
 
 @dataclass
-class Sides:
+class ReferenceDistances:
     """Per response token, which side is further from the fp64 reference."""
 
     tokens: int
@@ -40,7 +40,7 @@ class RolloutFindings:
     where: list[Region]
     causes_checked: bool  # the logprobs row failed, so causes were looked for
     causes: list[str] = field(default_factory=list)
-    sides: Optional[Sides] = None
+    to_reference: Optional[ReferenceDistances] = None
 
 
 def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) -> Optional[RolloutFindings]:
@@ -60,7 +60,8 @@ def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) 
                                           layout_cp, cp_split),
                             causes_checked=row.failing)
     if reference is not None:
-        found.sides = _sides(pair.logprobs, trainer, pair.laid_out("logprobs", "logprobs", reference), mask > 0)
+        found.to_reference = _to_reference(pair.logprobs, trainer, pair.laid_out("logprobs", "logprobs", reference),
+                                           mask > 0)
     if row.failing:
         valid = torch.zeros_like(pair.loss_mask, dtype=torch.bool)
         for i, sample in enumerate(pair.rollout.samples):
@@ -71,11 +72,12 @@ def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) 
     return found
 
 
-def _sides(engine: torch.Tensor, trainer: torch.Tensor, truth: torch.Tensor, keep: torch.Tensor) -> Sides:
+def _to_reference(engine: torch.Tensor, trainer: torch.Tensor, truth: torch.Tensor,
+                  keep: torch.Tensor) -> ReferenceDistances:
     off_engine = (engine.double() - truth.double()).abs()[keep]
     off_trainer = (trainer.double() - truth.double()).abs()[keep]
     further = int((off_engine > off_trainer).sum())
-    return Sides(tokens=int(keep.sum()), engine_further=further, trainer_further=int(keep.sum()) - further,
+    return ReferenceDistances(tokens=int(keep.sum()), engine_further=further, trainer_further=int(keep.sum()) - further,
                  max_engine=float(off_engine.max()), max_trainer=float(off_trainer.max()))
 
 

@@ -9,7 +9,7 @@
 
 Values live in safetensors (no pickle, memory-mappable); tensor names live only inside JSON and
 safetensors keys, never in file names. A rank folder without manifest.json, or a dump without
-dump.json, is incomplete and is refused by `Dump.open` (reader.py); writer.py writes one rank.
+dump.json, is incomplete and is refused by `DumpFiles.open` (reader.py); writer.py writes one rank.
 """
 
 from __future__ import annotations
