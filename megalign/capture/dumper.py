@@ -222,11 +222,11 @@ class Dumper:
         call = len(self.records)  # the order this call's output is recorded at
         if self.wants(kind, name):
             self.add(kind, name, view(tensor), sharding, module=module)
-        if grad and tensor.requires_grad and not tensor.is_leaf and self.wants("activation_grad", name):
+        if grad and tensor.requires_grad and not tensor.is_leaf and self.wants(Kind.ACTIVATION_GRAD, name):
             def on_grad(gradient: Optional[torch.Tensor]) -> None:
                 if gradient is not None:
                     self._check_open("add")
-                    self._record("activation_grad", name, view(gradient), grad_sharding or sharding, module=module,
+                    self._record(Kind.ACTIVATION_GRAD, name, view(gradient), grad_sharding or sharding, module=module,
                                  call=call)
 
             tensor.register_hook(on_grad)
@@ -411,10 +411,10 @@ class Dumper:
             for name, param in params.items():
                 module, sharding = name.rpartition(".")[0] or None, adapter.param_sharding(name, param)
                 if grads[name] is not None and present.get(name, True):
-                    self._record("param_grad", name, grads[name], sharding, module=module,
+                    self._record(Kind.PARAM_GRAD, name, grads[name], sharding, module=module,
                                  unless_zero=later and name in tested)
                 if self._params:
-                    self.add("param", name, param.detach(), sharding, module=module)
+                    self.add(Kind.PARAM, name, param.detach(), sharding, module=module)
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
@@ -456,7 +456,7 @@ class Dumper:
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
         rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
-        return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
+        return dump_meta("python", "backward" if kinds & {Kind.ACTIVATION_GRAD, Kind.PARAM_GRAD} else "forward",
                          self.layout, {"dtype": self._run_precision(), "stats_only": self._writer.stats_only,
                                        "steps": self._steps, **rows, **self._reduction()})
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalign.compare.entries import Source
+from megalign.dump.format import Kind
 
 # (pattern, what must differ between the two sides for it to be one-sided, reason). "stack": only a
 # dump of another stack lacks it; "kernel": another stack, or another attention kernel, lacks it;
@@ -65,7 +66,7 @@ def reason(kind: Optional[str], name: str, other: OtherSide) -> Optional[str]:
 
 def op_map(kind: Optional[str], name: str, other: OtherSide) -> Optional[str]:
     """Why the op map expects this tensor on one side only, if it does."""
-    if kind == "activation_grad" and other.stack == "hf" and "activation_grad" not in other.kinds:
+    if kind == Kind.ACTIVATION_GRAD and other.stack == "hf" and Kind.ACTIVATION_GRAD not in other.kinds:
         return "the other side's stack dumps no activation gradients (transformers)"
     for pattern, scope, text in REASONS:
         if scope in other.differ and pattern.search(name):

@@ -120,4 +120,4 @@ class Source:
 
 
 def phase(kind: Optional[str]) -> int:
-    return PHASES.get(kind or "activation", 0)
+    return PHASES.get(kind or Kind.ACTIVATION, 0)

@@ -62,7 +62,8 @@ class Dump:
     """A dump opened with `megalign.open`: its tensors by (kind, name), in execution order.
 
     Kinds are those of compare's report (megalign.dump.format.Kind): input, activation,
-    activation_grad, param_grad, logits, logprobs, loss, routing. Plain tensor files do not say what a tensor is: their kind is None.
+    activation_grad, param_grad, logits, logprobs, loss, routing, param. Plain tensor files do not say
+    what a tensor is: their kind is None.
     """
 
     def __init__(self, source: Source):

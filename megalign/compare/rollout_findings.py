@@ -18,6 +18,7 @@ from megalign.compare.rollout_causes import SequenceGap, causes, sequence_gaps, 
 from megalign.compare.rollout_pair import RolloutPair
 from megalign.compare.rollout_where import Region, regions
 from megalign.compare.records import Report
+from megalign.dump.format import Kind
 from megalign.errors import UserError, read_user_text
 
 
@@ -45,10 +46,10 @@ class RolloutFindings:
 
 def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) -> Optional[RolloutFindings]:
     """None when the logprobs were not compared (filtered out, or not in the dump)."""
-    row = next((r for r in report.rows if r.kind == "logprobs"), None)
+    row = next((r for r in report.rows if r.kind == Kind.LOGPROBS), None)
     if row is None or row.metrics is None:
         return None
-    trainer = pair.laid_out("logprobs", "logprobs")
+    trainer = pair.laid_out(Kind.LOGPROBS, "logprobs")
     mask = pair.loss_mask * pair.compared
     gaps = sequence_gaps(pair.logprobs, trainer, mask)
     dump = pair.dump.dump
@@ -60,14 +61,14 @@ def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) 
                                           layout_cp, cp_split),
                             causes_checked=row.failing)
     if reference is not None:
-        found.to_reference = _to_reference(pair.logprobs, trainer, pair.laid_out("logprobs", "logprobs", reference),
+        found.to_reference = _to_reference(pair.logprobs, trainer, pair.laid_out(Kind.LOGPROBS, "logprobs", reference),
                                            mask > 0)
     if row.failing:
         valid = torch.zeros_like(pair.loss_mask, dtype=torch.bool)
         for i, sample in enumerate(pair.rollout.samples):
             valid[i, :len(sample.tokens) - 1] = True
         found.causes = causes(pair.logprobs, trainer, mask, pair.tokens, valid,
-                              lambda: pair.laid_out("logits", "logits"),
+                              lambda: pair.laid_out(Kind.LOGITS, "logits"),
                               dump.meta.get("hf_checkpoint") if dump is not None else None)
     return found
 

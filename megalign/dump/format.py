@@ -46,6 +46,10 @@ class Kind(StrEnum):
     ROUTING = "routing"
     PARAM = "param"  # a parameter's value, at the end of a Dumper step (before the optimizer step)
 
+    def __repr__(self) -> str:
+        # A kind reads as its string everywhere (messages, reports), whether it came from a file or from here.
+        return repr(self.value)
+
 
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 

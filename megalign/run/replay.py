@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from megalign.dump.format import TensorRecord
+from megalign.dump.format import Kind, TensorRecord
 from megalign.dump.layout import BatchRow, at_real_tokens, token_index
 from megalign.dump.reader import DumpFiles, RankManifest
 from megalign.dump.token_tensor import Unplaced, read_token_tensor
@@ -78,8 +78,9 @@ def _recorded_routing(path: Path) -> RecordedRouting:
     tensors: dict[tuple[str, str], Pieces] = {}
     for rank, record in dump.records():
         tensors.setdefault((record.kind, record.name), []).append((rank, record))
-    choices = {name: pieces for (kind, name), pieces in tensors.items() if kind == "routing" and name.endswith(CHOICES)}
-    tokens = tensors.get(("input", "tokens"))
+    choices = {name: pieces for (kind, name), pieces in tensors.items()
+               if kind == Kind.ROUTING and name.endswith(CHOICES)}
+    tokens = tensors.get((Kind.INPUT, "tokens"))
     if not choices or tokens is None:
         raise UserError(f"--routing replay:{path}: the dump has no recorded routing (was it an MoE run, "
                         "without a --filter that left the routing out?)")

@@ -12,7 +12,7 @@ from megalign.compare.entries import Entry, Source, phase
 from megalign.compare.plan import RankRecord, full_shape
 from megalign.compare.reassemble import reassemble
 from megalign.compare.steps import step_name, step_order
-from megalign.dump.format import TensorRecord, repeat_name
+from megalign.dump.format import Kind, TensorRecord, repeat_name
 from megalign.dump.layout import Layout
 from megalign.dump.reader import DumpFiles
 from megalign.dump.tensorfile import STORED_DTYPES
@@ -131,4 +131,4 @@ def _order(shard: RankRecord) -> tuple:
     order, the backward in descending order."""
     stage = shard.rank.coords.pp_rank
     kind = shard.record.kind
-    return phase(kind), -stage if kind == "activation_grad" else stage, shard.record.order
+    return phase(kind), -stage if kind == Kind.ACTIVATION_GRAD else stage, shard.record.order

@@ -41,6 +41,7 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     from megalign.capture.dumper import Dumper
     from megalign.capture.megatron_adapter import MegatronAdapter, WorkerOutputs
+    from megalign.dump.format import Kind
     from megalign.dump.layout import cp_split_bounds, dp_rows
     from megalign.dump.sharding import Sharding
     from megalign.stacks.batch import batch_rows, build_batch
@@ -110,7 +111,7 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
         for key, value in batch.items():
-            dumper.add("input", key, value, Sharding(seq_dim=1, dp_dim=0))
+            dumper.add(Kind.INPUT, key, value, Sharding(seq_dim=1, dp_dim=0))
     if spec.routing_replay:
         from megalign.stacks.megatron.moe import replay_routing
 
