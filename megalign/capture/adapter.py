@@ -14,6 +14,7 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
+from megalign.dump.format import Kind
 from megalign.dump.layout import BatchRow
 from megalign.dump.sharding import Sharding
 
@@ -25,8 +26,9 @@ class Sink:
     """Where an adapter's hooks hand what they catch: the Dumper that installed them."""
 
     live: Callable[[], bool]  # whether anything is recorded now (inside a step the Dumper writes)
-    # (name, module, tensor, sharding, view, and the gradient's sharding where it lies otherwise: None)
-    output: Callable[[str, str, torch.Tensor, Sharding, View, Optional[Sharding]], None]
+    # (kind, name, module, tensor, sharding, view, and the gradient's sharding where it lies otherwise:
+    # None), as Dumper.add_output: the output, and its gradient as activation_grad
+    output: Callable[[Kind, str, str, torch.Tensor, Sharding, View, Optional[Sharding]], None]
     add: Callable[..., None]  # a tensor of a kind of its own (routing), as Dumper.add
     wants: Callable[[str, str], bool]  # (kind, name) passes the name filter
     saw_rows: Callable[[tuple[BatchRow, ...], bool], None]  # this step's rows as the model saw them, packed

@@ -50,7 +50,7 @@ from megalign.capture.hooks import Hooks
 from megalign.capture.rows import RowLog, rows_meta
 from megalign.capture.steps import Steps, choose_steps
 from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, Stated, check_stated
-from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
+from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, Kind, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
@@ -224,11 +224,11 @@ class Dumper:
         call = len(self.records)  # the order this call's output is recorded at
         if self.wants(kind, name):
             self.add(kind, name, view(tensor), sharding, module=module)
-        if grad and tensor.requires_grad and not tensor.is_leaf and self.wants("activation_grad", name):
+        if grad and tensor.requires_grad and not tensor.is_leaf and self.wants(Kind.ACTIVATION_GRAD, name):
             def on_grad(gradient: Optional[torch.Tensor]) -> None:
                 if gradient is not None:
                     self._check_open("add")
-                    self._record("activation_grad", name, view(gradient), grad_sharding or sharding, module=module,
+                    self._record(Kind.ACTIVATION_GRAD, name, view(gradient), grad_sharding or sharding, module=module,
                                  call=call)
 
             tensor.register_hook(on_grad)
@@ -280,8 +280,22 @@ class Dumper:
         read: add() them. A refusal aborts the Dumper: no staging folder is left behind."""
         self._check_open("watch")
         self._reducers.watch(module)
-        try:
+        with self._refusal_aborts():
             self._watch(module, prefix, batch_dim, outputs, cp_split, seq_dim)
+
+    def hook_outputs(self, module: torch.nn.Module, adapter: Adapter) -> None:
+        """Dump every output of `module` and its gradient as `adapter` hooks them (capture/adapter.py),
+        and not its parameters: megalign's megatron worker, whose adapter writes what its runs dump
+        beyond a user's model (megatron_adapter.WorkerOutputs) and which reads its gradients itself."""
+        self._check_open("hook_outputs")
+        with self._refusal_aborts():
+            self._hook_outputs(adapter, module, adapter.name, "document", None)
+
+    @contextlib.contextmanager
+    def _refusal_aborts(self) -> Iterator[None]:
+        """A refused watch aborts the Dumper: no staging folder is left behind."""
+        try:
+            yield
         except Exception:
             self.abort()
             raise
@@ -298,13 +312,15 @@ class Dumper:
 
         # Names add() would refuse (check_name) are refused now, not from a hook in the middle of the run.
         _check_names("parameter", (named(path) for path, _ in module.named_parameters()))
-        if outputs:
-            _check_names("module", (named(path) for path, _ in module.named_modules() if path))
         for path, param in module.named_parameters():
             if adapter.dumps_param(path, param):
                 self._watched.setdefault(named(path), (param, adapter))
-        if not outputs:
-            return
+        if outputs:
+            self._hook_outputs(adapter, module, named, cp_split, seq_dim)
+
+    def _hook_outputs(self, adapter: Adapter, module: torch.nn.Module, named: Callable[[str], str], cp_split: str,
+                      seq_dim: Optional[int]) -> None:
+        _check_names("module", (named(path) for path, _ in module.named_modules() if path))
         hooked = [sub for path, sub in module.named_modules() if path]
         if any(sub in self._hooked for sub in hooked):
             raise ValueError("watch(): this model, or a module in it, is watched already: its outputs would be "
@@ -414,10 +430,10 @@ class Dumper:
             for name, param in params.items():
                 module, sharding = name.rpartition(".")[0] or None, adapter.param_sharding(name, param)
                 if grads[name] is not None and present.get(name, True):
-                    self._record("param_grad", name, grads[name], sharding, module=module,
+                    self._record(Kind.PARAM_GRAD, name, grads[name], sharding, module=module,
                                  unless_zero=later and name in tested)
                 if self._params:
-                    self.add("param", name, param.detach(), sharding, module=module)
+                    self.add(Kind.PARAM, name, param.detach(), sharding, module=module)
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
@@ -459,7 +475,7 @@ class Dumper:
     def _meta(self) -> dict:
         kinds = {record.kind for record in self.records}
         rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
-        return dump_meta("python", "backward" if kinds & {"activation_grad", "param_grad"} else "forward",
+        return dump_meta("python", "backward" if kinds & {Kind.ACTIVATION_GRAD, Kind.PARAM_GRAD} else "forward",
                          self.layout, {"dtype": self._run_precision(), "stats_only": self._writer.stats_only,
                                        "steps": self._steps, **rows, **self._reduction()})
 
@@ -505,10 +521,10 @@ class Dumper:
         else:
             self.abort()
 
-    def _output(self, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View,
+    def _output(self, kind: Kind, key: str, module: str, tensor: torch.Tensor, sharding: Sharding, view: View,
                 grad_sharding: Optional[Sharding] = None) -> None:
         if self._writing:
-            self.add_output("activation", key, tensor, sharding, view=view, module=module, grad_sharding=grad_sharding)
+            self.add_output(kind, key, tensor, sharding, view=view, module=module, grad_sharding=grad_sharding)
 
     def _on_rank_zero(self, action: Callable[[], None]) -> None:
         """Run `action` on rank 0, which owns the staging folder; every rank raises if it failed, so
@@ -648,6 +664,9 @@ class NullDumper:
         return None
 
     def watch(self, *args, **kwargs) -> None:
+        return None
+
+    def hook_outputs(self, *args, **kwargs) -> None:
         return None
 
     def step(self, n: int) -> contextlib.nullcontext:

@@ -8,6 +8,7 @@ input is dumped too names it `name#input`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -58,7 +59,25 @@ class Hooks:
         """`hook(module, inputs, output)` after each call of `module`, its output whole (a router's)."""
         self._handles.append(module.register_forward_hook(hook))
 
+    def around(self, module: torch.nn.Module, method: str, wrap: Callable[[Callable], Callable]) -> None:
+        """`module.method` replaced by `wrap(module.method)` until remove(): a call inside the module's
+        forward that no hook reaches (a router's gating). An instance attribute, so that removing it
+        gives the module its class's method back."""
+        setattr(module, method, wrap(getattr(module, method)))
+        self._handles.append(_Replaced(module, method))
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+@dataclass(frozen=True)
+class _Replaced:
+    """around()'s handle: removing it takes the instance attribute off again."""
+
+    module: torch.nn.Module
+    method: str
+
+    def remove(self) -> None:
+        delattr(self.module, self.method)

@@ -3,13 +3,15 @@ writes it, and the rules megalign's megatron worker writes its dumps by (stacks/
 once here: the ranks' places from parallel_state, global layer and expert names under PP and EP
 (megatron_names.py), output sharding (megatron_outputs.py, walked by megatron_hooks.py), parameter
 sharding with expert TP, gradients read from DDP or the distributed optimizer with the TP-group
-rule of whether a rank holds one (ddp_grads.py), the router's decisions, and the padded vocabulary.
-Duck-typed and read through parallel_state where the program imported it: no megatron import.
+rule of whether a rank holds one (ddp_grads.py), the router's decisions (megatron_router.py), and
+the padded vocabulary. What megalign's worker dumps beyond a user's model is an option of the same
+adapter (WorkerOutputs): the worker captures through it, as `Dumper.watch` does. Duck-typed and read
+through parallel_state where the program imported it: no megatron import.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -22,8 +24,9 @@ from megalign.capture.ddp_grads import (find_megatron_ddp, gathered_grads, held_
 from megalign.capture.hooks import Hooks
 from megalign.capture.megatron_hooks import hook_megatron_model
 from megalign.capture.megatron_names import global_name, is_duplicate_embedding
-from megalign.capture.megatron_outputs import LocalShape, is_megatron_model, is_router, packed_row, routing_choices
-from megalign.dump.format import RankCoords
+from megalign.capture.megatron_outputs import LocalShape, is_megatron_model, packed_row
+from megalign.capture.megatron_router import router_tracer
+from megalign.dump.format import Kind, RankCoords
 from megalign.dump.layout import Layout
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
@@ -121,6 +124,20 @@ def _real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
     return torch.cat(shards, dim=dim).narrow(dim, 0, vocab_size)
 
 
+LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]
+
+
+@dataclass(frozen=True)
+class WorkerOutputs:
+    """What megalign's megatron worker dumps beyond a user's model's outputs, as its dumps have
+    always held them: the logits as their own kind (logits_layout: batch-first, the real vocabulary
+    of `vocab_size`, padded to `padded_vocab_size`), each router's logits beside its choices, and the
+    RoPE table of packed rows too (a replica on each rank)."""
+
+    vocab_size: int
+    padded_vocab_size: int
+
+
 def adapter_for(model: torch.nn.Module, layout: Layout) -> Optional[tuple["MegatronAdapter", torch.nn.Module]]:
     """megatron-core's adapter and the model it watches (megatron DDP's wrapped module), where
     `model` is megatron-core's; None where it is not."""
@@ -133,15 +150,16 @@ def adapter_for(model: torch.nn.Module, layout: Layout) -> Optional[tuple["Megat
 
 class MegatronAdapter:
     """A megatron-core model as the Dumper writes it (capture/adapter.py's Adapter). `ddps`: the
-    megatron DDPs around it, where its gradients are read."""
+    megatron DDPs around it, where its gradients are read; `worker`: megalign's worker's own outputs."""
 
-    def __init__(self, model: torch.nn.Module, ddps: list[torch.nn.Module], layout: Layout):
+    def __init__(self, model: torch.nn.Module, ddps: list[torch.nn.Module], layout: Layout,
+                 worker: Optional[WorkerOutputs] = None):
         if layout.pp > 1 and not hasattr(model, "decoder"):
             # Global layer names are read from the model's decoder: a part of it (its TransformerBlock)
             # would dump every stage's first layer under one name.
             raise NotImplementedError("watch() of a part of a megatron-core model split over PP stages: watch the "
                                       "model (GPTModel, or megatron-core's DDP around it)")
-        self.model, self.ddps, self.layout = model, ddps, layout
+        self.model, self.ddps, self.layout, self.worker = model, ddps, layout, worker
 
     def name(self, path: str) -> str:
         return global_name(self.model, path)
@@ -161,7 +179,7 @@ class MegatronAdapter:
     def hook(self, hooks: Hooks, sink: Sink, named: Callable[[str], str], seq_dim: Optional[int]) -> None:
         """Every module's output, laid out as megalign's worker lays it out, from the TransformerConfig
         and each call's input_ids [b, s] (this rank's share of the batch) and packed_seq_params (its
-        packed row, recorded); a router's decisions as kind routing."""
+        packed row, recorded); a router's decisions as kind routing; with `worker`, its outputs too."""
         if seq_dim is not None:
             raise ValueError("seq_dim names the token dim beside batch_dim, of a model other than megatron-core's "
                              "(whose layout is known)")
@@ -182,24 +200,17 @@ class MegatronAdapter:
                     sink.saw_rows((row,), True)
 
         hooks.before_call(self.model, learn)
-        hook_megatron_model(hooks, self.model, sink.output, lambda: local[0], named=named, packed=lambda: packed[0],
-                            live=sink.live, router=_router_tracer(hooks, sink, lambda: local[0]))
+        worker, logits = self.worker, named(LOGITS_MODULE)
 
+        def output(key: str, name: str, tensor: torch.Tensor, sharding: Sharding, view) -> None:
+            if worker is not None and key == logits:
+                # Logits are dumped batch-first, [b, s, vocab], the way every stack can write them.
+                sharding, view = logits_layout(sharding, worker.vocab_size, worker.padded_vocab_size)
+                sink.output(Kind.LOGITS, "logits", name, tensor, sharding, view, None)
+            else:
+                sink.output(Kind.ACTIVATION, key, name, tensor, sharding, view, None)
 
-def _router_tracer(hooks: Hooks, sink: Sink, local: Callable[[], LocalShape]) -> Callable[[torch.nn.Module, str], bool]:
-    """A megatron-core router's decisions, as megalign's worker dumps them (kind routing; its
-    logits are the worker's alone: megatron_router.py)."""
-    def trace(router: torch.nn.Module, name: str) -> bool:
-        if not is_router(router):
-            return False
-
-        def record(module, inputs, output):
-            if sink.live():
-                for what, tensor in routing_choices(module, inputs, output).items():
-                    if sink.wants("routing", f"{name}.{what}"):
-                        sink.add("routing", f"{name}.{what}", tensor, local().seq_sharding(tensor, 0, 1), module=name)
-
-        hooks.after_call(router, record)
-        return True
-
-    return trace
+        # The worker's packed runs keep the RoPE table (WorkerOutputs): their dumps have always held it.
+        hook_megatron_model(hooks, self.model, output, lambda: local[0], named=named, live=sink.live,
+                            packed=lambda: packed[0] and worker is None,
+                            router=router_tracer(hooks, sink, lambda: local[0], logits=worker is not None))

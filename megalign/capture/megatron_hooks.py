@@ -1,6 +1,6 @@
 """Which modules of a megatron-core model have their outputs dumped, under which names, laid out how:
-one walk, for megalign's megatron worker (stacks/megatron/worker.py) and `Dumper.watch` on a user's
-megatron-core model alike.
+one walk, megatron_adapter.py's, for megalign's megatron worker (stacks/megatron/worker.py) and
+`Dumper.watch` on a user's megatron-core model alike.
 
 Every module but the root (whose output is the caller's: the loss, logits) is hooked, named by its
 global layer and expert index (megatron_names.py), except outputs another PP stage dumps and those
@@ -10,7 +10,7 @@ MLP's activation is dumped too, as `...linear_fc2#input`. Duck-typed: no megatro
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -25,9 +25,8 @@ Recorder = Callable[[str, str, torch.Tensor, Sharding, View], None]
 
 
 def hook_megatron_model(hooks: Hooks, model: torch.nn.Module, record: Recorder, local: Callable[[], LocalShape], *,
-                        named: Callable[[str], str], packed: Callable[[], bool] = lambda: False,
-                        live: Callable[[], bool] = lambda: True,
-                        router: Optional[Callable[[torch.nn.Module, str], bool]] = None) -> None:
+                        named: Callable[[str], str], packed: Callable[[], bool], live: Callable[[], bool],
+                        router: Callable[[torch.nn.Module, str], bool]) -> None:
     """Hook `model`'s modules to `record` their outputs. `local()`: this rank's LocalShape in the call
     under way; `named(path)`: a module's dump name; `packed()`: whether the call under way packs its
     rows (the RoPE table is then no token's: left out); `live()`: whether anything is recorded now
@@ -37,7 +36,7 @@ def hook_megatron_model(hooks: Hooks, model: torch.nn.Module, record: Recorder, 
         if not path or another_stage_dumps(path):
             continue
         name = named(path)
-        if (router is not None and router(module, name)) or without_layout(path, module):
+        if router(module, name) or without_layout(path, module):
             continue
         hooks.on_outputs(module, name, _outputs(record, path, name, local, packed, live))
         if path.endswith(INPUT_CAPTURED):

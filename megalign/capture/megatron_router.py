@@ -1,63 +1,64 @@
-"""An MoE layer's routing decisions as records of kind routing: per megatron-core TopKRouter, the
-router logits, the experts chosen for each token and their weights. The router's own outputs are
-[tokens, experts] with no sequence layout (megatron_outputs.without_layout); these are laid out as
-the tokens, [s, b, ...]. Imports megatron-core: megalign's megatron worker's, never the Dumper's.
+"""An MoE layer's routing decisions as records of kind routing: per megatron-core router, the experts
+chosen for each token and their weights and, where asked (megalign's megatron worker), the router
+logits. The router's own outputs are [tokens, experts] with no sequence layout
+(megatron_outputs.without_layout); these are laid out as the tokens, [s, b, ...]. The one tracer,
+for the worker and `Dumper.watch` alike: duck-typed, it imports megatron-core only to read a
+router's replay, which only a program that imported megatron-core sets.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from megalign.capture.dumper import Dumper
+from megalign.capture.adapter import Sink
 from megalign.capture.hooks import Hooks
-from megalign.capture.megatron_outputs import LocalShape, routing_choices
+from megalign.capture.megatron_outputs import LocalShape, is_router, routing_choices
+from megalign.dump.format import Kind
 
 
-def _replayed(router: TopKRouter) -> Optional[torch.Tensor]:
+def _replayed(router: torch.nn.Module) -> Optional[torch.Tensor]:
     """The expert ids megatron's router replay forced on this router, if any."""
     replay = getattr(router, "router_replay", None)
-    if replay is None or replay.router_replay_action != RouterReplayAction.REPLAY_FORWARD:
+    if replay is None:
         return None
-    return replay.target_topk_idx
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    return replay.target_topk_idx if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD else None
 
 
-class RouterTrace:
-    """`trace(module, name)` hooks a TopKRouter (True) or leaves any other module (False); `remove()`
-    gives the routers back their own gating (the hooks come off with `hooks`)."""
+def router_tracer(hooks: Hooks, sink: Sink, local: Callable[[], LocalShape],
+                  logits: bool) -> Callable[[torch.nn.Module, str], bool]:
+    """`trace(module, name)` hooks a router (True) or leaves any other module (False): per MoE layer,
+    the experts chosen for each token with their weights, [s, b, topk], highest weight first, and,
+    with `logits`, the router logits [s, b, experts] (what its gating returns: wrapped, since no hook
+    reaches it; hooks.remove() gives the router its own gating back)."""
+    def record(key: str, module: str, tensor: torch.Tensor) -> None:
+        if sink.live() and sink.wants(Kind.ROUTING, key):
+            sink.add(Kind.ROUTING, key, tensor.detach(), local().seq_sharding(tensor, 0, 1), module=module)
 
-    def __init__(self, hooks: Hooks, dumper: Dumper, local: LocalShape):
-        self.hooks, self.dumper, self.local = hooks, dumper, local
-        self.routers: list[TopKRouter] = []
-
-    def trace(self, router: torch.nn.Module, name: str) -> bool:
-        """Per MoE layer: the router logits [s, b, experts] (what megatron's gating returns), and the
-        experts chosen for each token with their weights, [s, b, topk], highest weight first."""
-        if not isinstance(router, TopKRouter):
+    def trace(router: torch.nn.Module, name: str) -> bool:
+        if not is_router(router):
             return False
-        gating = router.gating
+        if logits:
+            def traced(gating):
+                def gate(hidden):
+                    values = gating(hidden)
+                    record(f"{name}.logits", name, values)
+                    return values
 
-        def traced_gating(hidden):
-            logits = gating(hidden)
-            self._record(f"{name}.logits", name, logits)
-            return logits
+                return gate
 
-        def record(module, inputs, output):
+            hooks.around(router, "gating", traced)
+
+        def choices(module, inputs, output):
+            if not sink.live():
+                return
             for what, tensor in routing_choices(module, inputs, output, _replayed(module)).items():
-                self._record(f"{name}.{what}", name, tensor)
+                record(f"{name}.{what}", name, tensor)
 
-        router.gating = traced_gating  # an instance attribute, taken off again by remove()
-        self.routers.append(router)
-        self.hooks.after_call(router, record)
+        hooks.after_call(router, choices)
         return True
 
-    def _record(self, key: str, module: str, tensor: torch.Tensor) -> None:
-        if self.dumper.wants("routing", key):
-            self.dumper.add("routing", key, tensor.detach(), self.local.seq_sharding(tensor, 0, 1), module=module)
-
-    def remove(self) -> None:
-        for router in self.routers:
-            del router.gating
+    return trace

@@ -22,7 +22,7 @@ from megalign.capture.coverage import have_gradients, read_grad
 from megalign.capture.dtensor import is_dtensor
 from megalign.capture.hooks import Hooks
 from megalign.dump.partial import shared_output_grad
-from megalign.dump.format import RankCoords
+from megalign.dump.format import Kind, RankCoords
 from megalign.dump.layout import Layout, padded_rows
 from megalign.dump.sharding import Sharding
 from megalign.errors import UserError
@@ -149,7 +149,7 @@ class TorchAdapter:
             # An output every DP rank holds whole while each has other rows (a learned position
             # embedding's [1, s, d]): forward a replica, its gradient a partial sum over the ranks.
             grad = shared_output_grad(sharding) if rows_split and not is_dtensor(tensor) else None
-            sink.output(key, name, tensor, sharding, None, grad)
+            sink.output(Kind.ACTIVATION, key, name, tensor, sharding, None, grad)
 
         return record
 

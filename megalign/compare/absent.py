@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalign.compare.entries import Source
+from megalign.dump.format import Kind
 
 # (pattern, what must differ between the two sides for it to be one-sided, reason). "stack": only a
 # dump of another stack lacks it; "kernel": another stack, or another attention kernel, lacks it;
@@ -37,36 +38,37 @@ REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), s
 
 
 @dataclass(frozen=True)
-class Sides:
-    """What the op map needs to know of a one-sided tensor's two sources."""
+class OtherSide:
+    """The other source, as a one-sided tensor's note reads it: the kinds it holds, its stack, and
+    what differs between it and this tensor's source."""
 
-    other_kinds: set  # the kinds the other side holds at all (None: a plain tensor file, which does not say)
-    other_stack: Optional[str]
+    kinds: set  # the kinds the other side holds at all (None: a plain tensor file, which does not say)
+    stack: Optional[str]
     differ: frozenset  # "stack" and/or "kernel": what differs between the sides (unknown counts as differing)
 
     @classmethod
-    def of(cls, this: Source, other: Source) -> "Sides":
+    def of(cls, this: Source, other: Source) -> "OtherSide":
         stacks_differ = this.stack is None or this.stack != other.stack
         kernels_differ = stacks_differ or this.kernel is None or this.kernel != other.kernel
         server = "sglang-server" in (this.format, other.format)
-        return cls(other_kinds={e.kind for e in other.entries}, other_stack=other.stack,
+        return cls(kinds={e.kind for e in other.entries}, stack=other.stack,
                    differ=frozenset({"stack"} if stacks_differ else set()) | ({"kernel"} if kernels_differ else set())
                    | ({"server"} if server else set()))
 
 
-def reason(kind: Optional[str], name: str, sides: Sides) -> Optional[str]:
+def reason(kind: Optional[str], name: str, other: OtherSide) -> Optional[str]:
     """The note of a tensor on one side only."""
-    expected = op_map(kind, name, sides)
-    if expected is None and kind is not None and None not in sides.other_kinds and kind not in sides.other_kinds:
+    expected = op_map(kind, name, other)
+    if expected is None and kind is not None and None not in other.kinds and kind not in other.kinds:
         return f"the other side has no {kind} tensors at all"
     return expected
 
 
-def op_map(kind: Optional[str], name: str, sides: Sides) -> Optional[str]:
+def op_map(kind: Optional[str], name: str, other: OtherSide) -> Optional[str]:
     """Why the op map expects this tensor on one side only, if it does."""
-    if kind == "activation_grad" and sides.other_stack == "hf" and "activation_grad" not in sides.other_kinds:
+    if kind == Kind.ACTIVATION_GRAD and other.stack == "hf" and Kind.ACTIVATION_GRAD not in other.kinds:
         return "the other side's stack dumps no activation gradients (transformers)"
     for pattern, scope, text in REASONS:
-        if scope in sides.differ and pattern.search(name):
+        if scope in other.differ and pattern.search(name):
             return text
     return None

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from megalign.compare.fused import Sums
-from megalign.dump.reader import Dump
+from megalign.dump.reader import DumpFiles
 from megalign.dump.format import Kind
 from megalign.dump.layout import BatchRow
 from megalign.dump.stats import TensorStats
@@ -92,8 +92,9 @@ class Entry:
     nbytes: Optional[int] = None
     # The training step it was dumped in, where the format records steps (a Dumper's; compare/steps.py).
     step: Optional[int] = None
-    # megalign dumps: the rank records it is put together from (plan.Shard), for the Python API's
-    # Dump.shards() and --explain; typed loosely so that this module and plan.py need not import each other.
+    # megalign dumps: the rank records it is put together from (plan.RankRecord), for the Python API's
+    # Dump.shards() (opened.py) and --explain; typed loosely so that this module and plan.py need not import
+    # each other.
     shards: Optional[list] = None
 
 
@@ -107,7 +108,7 @@ class Source:
     model: Optional[dict] = None  # the model's config where the format records it
     weights: Optional[str] = None  # where the weights came from ("seed 1234", "a checkpoint") where recorded
     rows: Optional[list[BatchRow]] = None  # the batch's documents where the format records them
-    dump: Optional[Dump] = None  # the megalign dump read (dump.json, manifests), for the Python API
+    dump: Optional[DumpFiles] = None  # the megalign dump read (dump.json, manifests), for the Python API
     # Which stack and attention kernel made it, where the format records them (absent.py: the op map
     # excuses a submodule only between stacks or kernels that differ in it).
     stack: Optional[str] = None
@@ -123,4 +124,4 @@ class Source:
 
 
 def phase(kind: Optional[str]) -> int:
-    return PHASES.get(kind or "activation", 0)
+    return PHASES.get(kind or Kind.ACTIVATION, 0)

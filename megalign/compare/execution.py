@@ -42,7 +42,7 @@ class Execution:
                  missable: Optional[re.Pattern] = None):
         self.pairs, self.rules, self.missable = pairs, rules, missable
         self.in_reference = {(e.kind, e.name): e for e in reference.entries} if reference else {}
-        self.sides_a, self.sides_b = absent.Sides.of(a, b), absent.Sides.of(b, a)  # seen from a row of A / of B
+        self.sides_a, self.sides_b = absent.OtherSide.of(a, b), absent.OtherSide.of(b, a)  # seen from a row of A / of B
         self.layouts = [source.dump.layout if source.dump is not None else None for source in (a, b)]
         # Enough for the largest pair compared whole, and at least the largest tensor's size, so that
         # many cores compare many pairs side by side while memory stays within twice the largest tensor.

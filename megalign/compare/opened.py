@@ -20,13 +20,12 @@ from megalign.compare.explain import near_names
 from megalign.compare.sources import open_source
 from megalign.dump.format import TensorRecord
 from megalign.dump.layout import Layout
-from megalign.dump.reader import Dump as DumpFiles
-from megalign.dump.reader import RankManifest
+from megalign.dump.reader import DumpFiles, RankManifest
 from megalign.dump.sharding import Sharding
 
 
 @dataclass
-class Shard:
+class RankPiece:
     """One rank's piece of a tensor in a megalign dump, where it sits in the layout, and how the dump
     says it is split (`sharding`). The piece is read by `tensor()`, not before. Expert-parallel ranks
     are not recorded: experts are dumped under their global names (`mlp.experts.<e>`)."""
@@ -63,7 +62,8 @@ class Dump:
     """A dump opened with `megalign.open`: its tensors by (kind, name), in execution order.
 
     Kinds are those of compare's report (megalign.dump.format.Kind): input, activation,
-    activation_grad, param_grad, logits, logprobs, loss, routing. Plain tensor files do not say what a tensor is: their kind is None.
+    activation_grad, param_grad, logits, logprobs, loss, routing, param. Plain tensor files do not say
+    what a tensor is: their kind is None.
     """
 
     def __init__(self, source: Source):
@@ -116,13 +116,13 @@ class Dump:
             raise ValueError(f"{self.path}: {kind} {name} has statistics only (a --stats-only dump), no values")
         return value.tensor
 
-    def shards(self, kind: str, name: str) -> list[Shard]:
+    def shards(self, kind: str, name: str) -> list[RankPiece]:
         """The per-rank pieces of a megalign dump's tensor with their coordinates, in rank order;
         ValueError for other formats, which have no rank records."""
         entry = self._entry(kind, name)
         if entry.shards is None:
             raise ValueError(f"{self.path}: shards() reads megalign dumps; this is a {self.format} input")
-        return [Shard(rank=s.rank.coords.rank, tp_rank=s.rank.coords.tp_rank, cp_rank=s.rank.coords.cp_rank,
+        return [RankPiece(rank=s.rank.coords.rank, tp_rank=s.rank.coords.tp_rank, cp_rank=s.rank.coords.cp_rank,
                       pp_rank=s.rank.coords.pp_rank, dp_rank=s.rank.coords.dp_rank, shape=list(s.record.shape),
                       dtype=s.record.dtype, sharding=s.record.sharding,
                       stats=s.record.stats.to_dict() if s.record.stats else None,

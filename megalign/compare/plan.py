@@ -33,7 +33,7 @@ from megalign.dump.sharding import MeshPlacement
 
 
 @dataclass
-class Shard:
+class RankRecord:
     """One rank's record of a tensor, as its manifest holds it."""
 
     rank: RankManifest
@@ -123,11 +123,11 @@ def same_shape(shapes: Iterable[tuple[int, ...]]) -> None:
         raise Unassemblable(f"has replicas of different shapes {sorted(found)}: not the same tensor on every rank")
 
 
-def make_plan(shards: list[Shard], layout: Layout,
+def make_plan(shards: list[RankRecord], layout: Layout,
               row_bounds: Callable[[int], Optional[tuple[int, ...]]] = lambda dp_rank: None) -> Plan:
     """Every shard's runs, or its place among the replicas of another; Unassemblable when the shards
     do not make up the whole tensor exactly once. `row_bounds(dp_rank)`: where that DP rank's row was
-    cut for the CP split (reader.Dump.cp_bounds), None for a whole row."""
+    cut for the CP split (reader.DumpFiles.cp_bounds), None for a whole row."""
     if any(s.record.sharding.mesh for s in shards):
         return _mesh_plan(shards)
     ordered = sorted(shards, key=lambda s: (s.rank.coords.dp_rank, s.rank.coords.cp_rank, s.rank.coords.tp_rank))
@@ -191,7 +191,7 @@ def place(holders: list[Holder], splits: tuple[Split, ...], summed: tuple[tuple[
                 summed=tuple(axis for axis, _ in summed))
 
 
-def _mesh_plan(shards: list[Shard]) -> Plan:
+def _mesh_plan(shards: list[RankRecord]) -> Plan:
     """A DTensor's plan: each offset's piece placed once (its Partial terms summed into it), the
     other sums of that offset its replicas; an empty piece (an uneven split's last) holds nothing."""
     mesh = shards[0].record.sharding.mesh
@@ -202,7 +202,7 @@ def _mesh_plan(shards: list[Shard]) -> Plan:
     if len({s.record.sharding.mesh.coord for s in shards}) != len(shards):
         raise Unassemblable("has pieces from ranks that claim the same mesh coordinate")
     terms = math.prod(mesh.shape[d] for d in mesh.summed)
-    sums: dict[tuple, dict[tuple, list[Shard]]] = {}  # offset -> coordinate off the summed dims -> its terms
+    sums: dict[tuple, dict[tuple, list[RankRecord]]] = {}  # offset -> coordinate off the summed dims -> its terms
     for shard in sorted(shards, key=lambda s: s.rank.coords.rank):
         piece = shard.record.sharding.mesh
         if math.prod(shard.record.shape):
@@ -304,11 +304,11 @@ def _same_digest(a: Optional[tuple[str, str]], b: Optional[tuple[str, str]]) -> 
     return a is not None and a == b
 
 
-def _same_bytes(placed: list[Shard], copy: list[Shard]) -> bool:
+def _same_bytes(placed: list[RankRecord], copy: list[RankRecord]) -> bool:
     return all(_same_digest(_digest(a.record), _digest(b.record)) for a, b in zip(placed, copy))
 
 
-def full_shape(shards: list[Shard], layout: Layout) -> list[int]:
+def full_shape(shards: list[RankRecord], layout: Layout) -> list[int]:
     """The reassembled shape, from the records alone (also for stats-only dumps)."""
     record = shards[0].record
     if record.sharding.mesh is not None:

@@ -2,7 +2,7 @@
 A format gives `execute` a Read: megalign dumps read each shard from its file in place (reassemble),
 sglang dumps copy from the tensors their files hold (in_memory).
 
-The full tensor is allocated once (in the caller's buffer when given: verdict.py reuses them) and
+The full tensor is allocated once (in the caller's buffer when given: execution.py reuses them) and
 every placed shard is read from its file straight into its place, one positioned read per block,
 where the block is contiguous on both sides; otherwise the shard is read whole and copied block by
 block. Partial pieces (the plan's terms: a DTensor's, sglang's `partial`) are read into a scratch tensor and added in
@@ -22,23 +22,23 @@ import torch
 from megalign.compare.entries import ReplicaGap, Value, Window
 from megalign.compare.fused import Sums
 from megalign.compare.metrics import pair_sums
-from megalign.compare.plan import Piece, Plan, Shard, Unassemblable, full_shape, make_plan
+from megalign.compare.plan import Piece, Plan, RankRecord, Unassemblable, full_shape, make_plan
 from megalign.dump.format import RankCoords
-from megalign.dump.reader import Dump
+from megalign.dump.reader import DumpFiles
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import read_into
 
 
-def plan_of(dump: Dump, shards: list[Shard]) -> Plan:
+def plan_of(dump: DumpFiles, shards: list[RankRecord]) -> Plan:
     """The plan of a tensor of `dump` held by `shards`; Unassemblable when there is none."""
     return make_plan(shards, dump.layout, dump.cp_bounds)
 
 
-def reassemble(dump: Dump, shards: list[Shard], buffer: Optional[torch.Tensor] = None,
+def reassemble(dump: DumpFiles, shards: list[RankRecord], buffer: Optional[torch.Tensor] = None,
                window: Optional[Window] = None) -> Value:
     """The tensor (or, for --stats-only records, its statistics). `buffer` (bytes, at least the
     tensor's size): the tensor lives in it. `window` ((start, stop) of each leading dim): only that
-    box is read, into a tensor of its size (verdict.py streams big tensors so); `shape` stays the whole's."""
+    box is read, into a tensor of its size (execution.py streams big tensors so); `shape` stays the whole's."""
     first = shards[0].record
     value = Value(shape=full_shape(shards, dump.layout), dtype=first.dtype)
     try:
@@ -120,7 +120,7 @@ def _narrow(tensor: torch.Tensor, narrowings) -> torch.Tensor:
     return tensor
 
 
-def _read_piece(dump: Dump, shard: Shard, piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
+def _read_piece(dump: DumpFiles, shard: RankRecord, piece: Piece, out: torch.Tensor, window: Optional[Window]) -> None:
     """Read `shard` into out at `piece`'s blocks. A block contiguous in the shard and in `out` is one
     positioned read straight into place; any other is read with the whole rows of the shard it
     spans (contiguous in the file) into a temporary, and copied."""

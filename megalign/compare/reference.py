@@ -22,6 +22,7 @@ import torch
 
 from megalign.compare.entries import Source
 from megalign.compare.thresholds import sized
+from megalign.dump.format import Kind
 from megalign.errors import UserError
 
 # The largest distance to R seen on the real model (bench/calibrate.py, 28 texts, five layouts) times a
@@ -29,12 +30,13 @@ from megalign.errors import UserError
 # logprobs 1.7e-3, the loss 2.5e-5, parameter gradients 0.02 (matrices) and up to 0.5 on 576-element norm
 # weights (thresholds.SMALL widens the budget of a vector as it does its threshold).
 BUDGET: dict[str, dict[str, float]] = {
-    "fp64": {"input": 0.0, "activation": 1e-16, "activation_grad": 1e-16, "param_grad": 1e-16, "param": 1e-16, "logits": 1e-16,
-             "logprobs": 1e-16, "loss": 1e-16},  # thresholds.py: fp64 runs on other devices differ by 3e-19
-    "fp32": {"input": 0.0, "activation": 1e-9, "activation_grad": 1e-7, "param_grad": 1e-5, "param": 1e-5, "logits": 1e-9,
-             "logprobs": 1e-9, "loss": 1e-9},
-    "bf16": {"input": 0.0, "activation": 3e-2, "activation_grad": 3e-2, "param_grad": 1e-1, "param": 1e-1, "logits": 2e-2,
-             "logprobs": 4e-3, "loss": 5e-5},
+    "fp64": {Kind.INPUT: 0.0, Kind.ACTIVATION: 1e-16, Kind.ACTIVATION_GRAD: 1e-16, Kind.PARAM_GRAD: 1e-16,
+             Kind.PARAM: 1e-16, Kind.LOGITS: 1e-16, Kind.LOGPROBS: 1e-16,
+             Kind.LOSS: 1e-16},  # thresholds.py: fp64 runs on other devices differ by 3e-19
+    "fp32": {Kind.INPUT: 0.0, Kind.ACTIVATION: 1e-9, Kind.ACTIVATION_GRAD: 1e-7, Kind.PARAM_GRAD: 1e-5,
+             Kind.PARAM: 1e-5, Kind.LOGITS: 1e-9, Kind.LOGPROBS: 1e-9, Kind.LOSS: 1e-9},
+    "bf16": {Kind.INPUT: 0.0, Kind.ACTIVATION: 3e-2, Kind.ACTIVATION_GRAD: 3e-2, Kind.PARAM_GRAD: 1e-1,
+             Kind.PARAM: 1e-1, Kind.LOGITS: 2e-2, Kind.LOGPROBS: 4e-3, Kind.LOSS: 5e-5},
 }
 # Model config entries a reference may differ in: the name, and the constants a checkpoint's config.json
 # may get wrong without changing any tensor's shape, which is what a reference is there to pin on a side
@@ -85,9 +87,9 @@ def check_reference(reference: Source, a: Source, b: Source) -> None:
 
 def _other_input(reference: Source, side: Source) -> Optional[str]:
     """The first input tensor the two hold (lined up, lineup.py) whose values differ."""
-    inputs = {e.name: e for e in side.entries if e.kind == "input" and not e.apart}
+    inputs = {e.name: e for e in side.entries if e.kind == Kind.INPUT and not e.apart}
     for entry in reference.entries:
-        mine = inputs.get(entry.name) if entry.kind == "input" and not entry.apart else None
+        mine = inputs.get(entry.name) if entry.kind == Kind.INPUT and not entry.apart else None
         if mine is None:
             continue
         x, y = entry.load().tensor, mine.load().tensor

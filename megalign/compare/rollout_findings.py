@@ -18,11 +18,12 @@ from megalign.compare.rollout_causes import SequenceGap, causes, sequence_gaps, 
 from megalign.compare.rollout_pair import RolloutPair
 from megalign.compare.rollout_where import Region, regions
 from megalign.compare.records import Report
+from megalign.dump.format import Kind
 from megalign.errors import UserError, read_user_text
 
 
 @dataclass
-class Sides:
+class ReferenceDistances:
     """Per response token, which side is further from the fp64 reference."""
 
     tokens: int
@@ -40,15 +41,15 @@ class RolloutFindings:
     where: list[Region]
     causes_checked: bool  # the logprobs row failed, so causes were looked for
     causes: list[str] = field(default_factory=list)
-    sides: Optional[Sides] = None
+    to_reference: Optional[ReferenceDistances] = None
 
 
 def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) -> Optional[RolloutFindings]:
     """None when the logprobs were not compared (filtered out, or not in the dump)."""
-    row = next((r for r in report.rows if r.kind == "logprobs"), None)
+    row = next((r for r in report.rows if r.kind == Kind.LOGPROBS), None)
     if row is None or row.metrics is None:
         return None
-    trainer = pair.laid_out("logprobs", "logprobs")
+    trainer = pair.laid_out(Kind.LOGPROBS, "logprobs")
     mask = pair.loss_mask * pair.compared
     gaps = sequence_gaps(pair.logprobs, trainer, mask)
     dump = pair.dump.dump
@@ -60,22 +61,24 @@ def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) 
                                           layout_cp, cp_split),
                             causes_checked=row.failing)
     if reference is not None:
-        found.sides = _sides(pair.logprobs, trainer, pair.laid_out("logprobs", "logprobs", reference), mask > 0)
+        found.to_reference = _to_reference(pair.logprobs, trainer, pair.laid_out(Kind.LOGPROBS, "logprobs", reference),
+                                           mask > 0)
     if row.failing:
         valid = torch.zeros_like(pair.loss_mask, dtype=torch.bool)
         for i, sample in enumerate(pair.rollout.samples):
             valid[i, :len(sample.tokens) - 1] = True
         found.causes = causes(pair.logprobs, trainer, mask, pair.tokens, valid,
-                              lambda: pair.laid_out("logits", "logits"),
+                              lambda: pair.laid_out(Kind.LOGITS, "logits"),
                               dump.meta.get("hf_checkpoint") if dump is not None else None)
     return found
 
 
-def _sides(engine: torch.Tensor, trainer: torch.Tensor, truth: torch.Tensor, keep: torch.Tensor) -> Sides:
+def _to_reference(engine: torch.Tensor, trainer: torch.Tensor, truth: torch.Tensor,
+                  keep: torch.Tensor) -> ReferenceDistances:
     off_engine = (engine.double() - truth.double()).abs()[keep]
     off_trainer = (trainer.double() - truth.double()).abs()[keep]
     further = int((off_engine > off_trainer).sum())
-    return Sides(tokens=int(keep.sum()), engine_further=further, trainer_further=int(keep.sum()) - further,
+    return ReferenceDistances(tokens=int(keep.sum()), engine_further=further, trainer_further=int(keep.sum()) - further,
                  max_engine=float(off_engine.max()), max_trainer=float(off_trainer.max()))
 
 

@@ -21,6 +21,7 @@ import torch
 from megalign.compare.entries import Entry, Source, Value
 from megalign.compare.lineup import real_tokens
 from megalign.compare.sources import open_source
+from megalign.dump.format import Kind
 from megalign.errors import UserError
 from megalign.rollouts.read import is_rollout_file, read_rollout
 from megalign.rollouts.sample import Rollout
@@ -38,8 +39,8 @@ class RolloutPair:
 
     def sources(self) -> tuple[Source, Source]:
         """(A, B) in the order given: the rollout's three tensors and the dump's same three."""
-        mine = [_entry("input", "tokens", 0, self.tokens), _entry("input", "loss_mask", 1, self.loss_mask),
-                _entry("logprobs", "logprobs", 2, self.logprobs)]
+        mine = [_entry(Kind.INPUT, "tokens", 0, self.tokens), _entry(Kind.INPUT, "loss_mask", 1, self.loss_mask),
+                _entry(Kind.LOGPROBS, "logprobs", 2, self.logprobs)]
         # The engine's precision is not in the file: its logprobs are judged as an fp32 run's (--reference).
         notes = "".join(f"; {line}" for line in self.rollout.notes())
         rollout = Source(path=self.rollout.path, format="rollout", entries=mine, precision="fp32",
@@ -52,10 +53,10 @@ class RolloutPair:
         """A dump's tokens, loss mask and logprobs (where the rollout has one) as the rollout lays them out."""
         check_rows(dump, self.rollout)
         shape = list(self.tokens.shape)
-        entries = [_entry("input", "tokens", 0, lambda: self.laid_out("input", "tokens", dump), shape),
-                   _entry("input", "loss_mask", 1, lambda: self.laid_out("input", "loss_mask", dump), shape),
-                   _entry("logprobs", "logprobs", 2,
-                          lambda: self.laid_out("logprobs", "logprobs", dump) * self.compared, shape)]
+        entries = [_entry(Kind.INPUT, "tokens", 0, lambda: self.laid_out(Kind.INPUT, "tokens", dump), shape),
+                   _entry(Kind.INPUT, "loss_mask", 1, lambda: self.laid_out(Kind.INPUT, "loss_mask", dump), shape),
+                   _entry(Kind.LOGPROBS, "logprobs", 2,
+                          lambda: self.laid_out(Kind.LOGPROBS, "logprobs", dump) * self.compared, shape)]
         return Source(path=dump.path, format=dump.format, entries=entries, precision=dump.precision,
                       description=f"{dump.description}, on the rollout's tokens", model=dump.model,
                       weights=dump.weights, stack=dump.stack, kernel=dump.kernel)

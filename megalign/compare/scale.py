@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 from megalign.compare.metrics import StatsMetrics, TensorMetrics
-from megalign.dump.format import REPEAT
+from megalign.dump.format import REPEAT, Kind
 
 # precision -> (FLOOR, SPREAD), from SmolLM2-135M, transformers against megatron-core at TP=3, CP=2, TP=3+SP,
 # PP=2 and packed rows, over 28 texts (bench/calibrate.py, docs/compare.md "Verdicts on a real model"): each
@@ -62,7 +62,7 @@ ONE_SIGNED = 0.5  # |mean| / rms from which a tensor's sum is compared
 # is judged from WHOLE_LEAST tensors of one step, at WHOLE_TOLERANCE. Measured on SmolLM2 over the same
 # texts and layouts: the median deviates up to 0.032 at bf16 (megatron-core CP=2 against transformers, 182
 # gradients: a bias of the stacks' bf16 rounding on some texts, 0.011 at most on others) and 5e-6 at fp32.
-WHOLE_KINDS = ("param_grad", "activation_grad")
+WHOLE_KINDS = (Kind.PARAM_GRAD, Kind.ACTIVATION_GRAD)
 WHOLE_LEAST = 8
 WHOLE_TOLERANCE = {"fp32": 1e-4, "bf16": 0.065}
 # A tolerance from which a factor 1.5 passes: the check verifies nothing it is for (check_small).

@@ -20,25 +20,25 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megalign.dump.format import precision_name
+from megalign.dump.format import Kind, precision_name
 from megalign.errors import UserError, compile_pattern
 
 DEFAULTS: dict[str, dict[str, float]] = {
-    "fp32": {"input": 0.0, "activation": 1e-8, "activation_grad": 1e-7, "param_grad": 1e-5, "param": 1e-5,
-             "logits": 1e-8, "logprobs": 1e-8, "loss": 1e-9},
-    "bf16": {"input": 0.0, "activation": 2e-2, "activation_grad": 2e-2, "param_grad": 1e-1, "param": 1e-1,
-             "logits": 2e-2, "logprobs": 3e-3, "loss": 4e-5},
+    "fp32": {Kind.INPUT: 0.0, Kind.ACTIVATION: 1e-8, Kind.ACTIVATION_GRAD: 1e-7, Kind.PARAM_GRAD: 1e-5,
+             Kind.PARAM: 1e-5, Kind.LOGITS: 1e-8, Kind.LOGPROBS: 1e-8, Kind.LOSS: 1e-9},
+    "bf16": {Kind.INPUT: 0.0, Kind.ACTIVATION: 2e-2, Kind.ACTIVATION_GRAD: 2e-2, Kind.PARAM_GRAD: 1e-1,
+             Kind.PARAM: 1e-1, Kind.LOGITS: 2e-2, Kind.LOGPROBS: 3e-3, Kind.LOSS: 4e-5},
     # Both sides float64 (reference runs against each other): 1e-29 on one device, but up to 3e-19
     # between CUDA and the CPU, since megatron computes RoPE's cos and sin in float32 (measured on an H200).
-    "fp64": {"input": 0.0, "activation": 1e-16, "activation_grad": 1e-16, "param_grad": 1e-16, "param": 1e-16,
-             "logits": 1e-16, "logprobs": 1e-16, "loss": 1e-16},
+    "fp64": {Kind.INPUT: 0.0, Kind.ACTIVATION: 1e-16, Kind.ACTIVATION_GRAD: 1e-16, Kind.PARAM_GRAD: 1e-16,
+             Kind.PARAM: 1e-16, Kind.LOGITS: 1e-16, Kind.LOGPROBS: 1e-16, Kind.LOSS: 1e-16},
 }
 # A vector parameter's gradient (a norm's weight, a bias) is, channel by channel, a sum over every token,
 # and its rounding is far from independent: a 576-element norm weight's gradient, where a "massive
 # activation" channel dominates, moves by up to 0.43 (rel diff) between transformers' fp32 and bf16 runs,
 # where the matrices move by 0.02 at most (bench/calibrate.py). Such a kind's threshold for a vector of n
 # elements is max(default, SMALL/sqrt(n)), and so is its rounding budget against a reference.
-SMALL: dict[str, dict[str, float]] = {"bf16": {"param_grad": 24.0, "param": 24.0}}
+SMALL: dict[str, dict[str, float]] = {"bf16": {Kind.PARAM_GRAD: 24.0, Kind.PARAM: 24.0}}
 
 
 def sized(table: dict[str, dict[str, float]], precision: str, kind: str, shape: list[int]) -> float:
@@ -46,7 +46,7 @@ def sized(table: dict[str, dict[str, float]], precision: str, kind: str, shape: 
     activation's for kinds of foreign dumps), widened for a vector where SMALL says."""
     values = table[precision]
     spread = SMALL.get(precision, {}).get(kind)
-    base = values.get(kind, values["activation"])
+    base = values.get(kind, values[Kind.ACTIVATION])
     return max(base, spread / math.sqrt(max(shape[0], 1))) if spread and len(shape) == 1 else base
 
 

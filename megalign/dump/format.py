@@ -9,7 +9,7 @@
 
 Values live in safetensors (no pickle, memory-mappable); tensor names live only inside JSON and
 safetensors keys, never in file names. A rank folder without manifest.json, or a dump without
-dump.json, is incomplete and is refused by `Dump.open` (reader.py); writer.py writes one rank.
+dump.json, is incomplete and is refused by `DumpFiles.open` (reader.py); writer.py writes one rank.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ class Kind(StrEnum):
     LOSS = "loss"
     ROUTING = "routing"
     PARAM = "param"  # a parameter's value, at the end of a Dumper step (before the optimizer step)
+
+    def __repr__(self) -> str:
+        # A kind reads as its string everywhere (messages, reports), whether it came from a file or from here.
+        return repr(self.value)
 
 
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)

@@ -26,7 +26,7 @@ class RankManifest:
     extra: dict = field(default_factory=dict)
 
 
-class Dump:
+class DumpFiles:
     """A complete megalign dump on disk, read lazily: a tensor is read when it is loaded."""
 
     def __init__(self, path: Path, meta: dict, layout: Layout, ranks: list[RankManifest],
@@ -43,7 +43,7 @@ class Dump:
         return (Path(path) / DUMP_META).is_file()
 
     @classmethod
-    def open(cls, path: Path) -> "Dump":
+    def open(cls, path: Path) -> "DumpFiles":
         path = Path(path)
         if not path.is_dir():
             raise UserError(f"{path}: no such dump folder")

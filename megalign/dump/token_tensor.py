@@ -13,14 +13,14 @@ import torch
 
 from megalign.dump.format import TensorRecord
 from megalign.dump.layout import rank_tokens
-from megalign.dump.reader import Dump, RankManifest
+from megalign.dump.reader import DumpFiles, RankManifest
 
 
 class Unplaced(ValueError):
     """The pieces are not a token tensor's, or leave tokens of the batch out."""
 
 
-def read_token_tensor(dump: Dump, pieces: list[tuple[RankManifest, TensorRecord]]) -> torch.Tensor:
+def read_token_tensor(dump: DumpFiles, pieces: list[tuple[RankManifest, TensorRecord]]) -> torch.Tensor:
     """The whole tensor: the batch's rows on its batch dim, their positions on its sequence dim."""
     first = pieces[0][1]
     sharding = first.sharding

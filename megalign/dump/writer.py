@@ -83,7 +83,7 @@ class RankWriter:
         self._written = threading.Condition()  # notified as each file's device copies are released
 
     def wants(self, kind: str, name: str) -> bool:
-        return kind == "input" or self.filter is None or bool(self.filter.search(name))
+        return kind == Kind.INPUT or self.filter is None or bool(self.filter.search(name))
 
     def add(self, kind: Kind, name: str, tensor: torch.Tensor, sharding: Sharding,
             module: Optional[str] = None, layer: Optional[int] = None, stable: bool = False,

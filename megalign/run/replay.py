@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 from safetensors.torch import save_file
 
-from megalign.dump.format import TensorRecord
+from megalign.dump.format import Kind, TensorRecord
 from megalign.dump.layout import BatchRow, at_real_tokens, token_index
-from megalign.dump.reader import Dump, RankManifest
+from megalign.dump.reader import DumpFiles, RankManifest
 from megalign.dump.token_tensor import Unplaced, read_token_tensor
 from megalign.errors import UserError
 from megalign.spec import RunSpec
@@ -36,7 +36,7 @@ Pieces = list[tuple[RankManifest, TensorRecord]]  # a tensor's record on each ra
 
 @dataclass
 class RecordedRouting:
-    dump: Dump
+    dump: DumpFiles
     documents: list[list[int]]  # the token ids the recording ran on
     choices: dict[str, Pieces]  # "<router>.experts" / "<router>.weights": [seq, rows, topk]
     model: dict
@@ -70,16 +70,17 @@ def routing_replay(spec: RunSpec, stack: str, routing: str) -> Optional[Path]:
 def _recorded_routing(path: Path) -> RecordedRouting:
     if not path.exists():
         raise UserError(f"{path}: no such file or folder")
-    if not (path.is_dir() and (Dump.is_dump(path) or any(path.glob("rank-*")))):
+    if not (path.is_dir() and (DumpFiles.is_dump(path) or any(path.glob("rank-*")))):
         raise UserError(f"--routing replay:{path}: not a megalign dump with its batch recorded")
-    dump = Dump.open(path)
+    dump = DumpFiles.open(path)
     if dump.rows is None:
         raise UserError(f"--routing replay:{path}: not a megalign dump with its batch recorded")
     tensors: dict[tuple[str, str], Pieces] = {}
     for rank, record in dump.records():
         tensors.setdefault((record.kind, record.name), []).append((rank, record))
-    choices = {name: pieces for (kind, name), pieces in tensors.items() if kind == "routing" and name.endswith(CHOICES)}
-    tokens = tensors.get(("input", "tokens"))
+    choices = {name: pieces for (kind, name), pieces in tensors.items()
+               if kind == Kind.ROUTING and name.endswith(CHOICES)}
+    tokens = tensors.get((Kind.INPUT, "tokens"))
     if not choices or tokens is None:
         raise UserError(f"--routing replay:{path}: the dump has no recorded routing (was it an MoE run, "
                         "without a --filter that left the routing out?)")
@@ -93,7 +94,7 @@ def _recorded_routing(path: Path) -> RecordedRouting:
     return RecordedRouting(dump=dump, documents=documents, choices=choices, model=model if isinstance(model, dict) else {})
 
 
-def _read(dump: Dump, name: str, pieces: Pieces) -> torch.Tensor:
+def _read(dump: DumpFiles, name: str, pieces: Pieces) -> torch.Tensor:
     try:
         return read_token_tensor(dump, pieces)
     except Unplaced as e:

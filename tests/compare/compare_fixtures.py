@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from megalign.dump.format import MANIFEST
-from megalign.dump.reader import Dump
+from megalign.dump.reader import DumpFiles
 
 WRITER = Path(__file__).with_name("sglang_writer.py")
 # The default tiny backward at CP=1 / CP=2, shared with the run tests through conftest's `dump`.
@@ -46,7 +46,7 @@ def sglang_dump(tmp_path_factory):
     def make(source: Path) -> Path:
         if source not in made:
             out = tmp_path_factory.mktemp("sglang")
-            ranks = Dump.open(source).meta["world_size"]
+            ranks = DumpFiles.open(source).meta["world_size"]
             result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                      "--nproc-per-node", str(ranks), str(WRITER), str(source), str(out)],
                                     capture_output=True, text=True, timeout=300)

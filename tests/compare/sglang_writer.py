@@ -87,10 +87,10 @@ def main(source: str, out: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megalign.dump.reader import Dump
+    from megalign.dump.reader import DumpFiles
 
     dist.init_process_group("gloo")
-    dump = Dump.open(Path(source))
+    dump = DumpFiles.open(Path(source))
     layout = dump.layout
     parallel_state.initialize_model_parallel(layout.tp, layout.pp, context_parallel_size=layout.cp)
     dumper = load_sglang_dumper().dumper

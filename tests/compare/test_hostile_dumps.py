@@ -138,9 +138,9 @@ def test_an_outside_tensor_is_never_read(dump, victim, tmp_path):
     manifest = json.loads((victim / "rank-00000" / "manifest.json").read_text())
     record = first_record(manifest)
     outside = tmp_path / "outside.safetensors"
-    from megalign.dump.reader import Dump
+    from megalign.dump.reader import DumpFiles
 
-    dump_b = Dump.open(victim)
+    dump_b = DumpFiles.open(victim)
     rank = dump_b.ranks[0]
     real = next(r for r in rank.records if r.order == record["order"])
     save_file({real.key: dump_b.load(rank, real)}, str(outside))

@@ -7,7 +7,7 @@ import torch
 from compare_fixtures import CP1, CP2, TP2
 
 from megalign.compare.sources import open_source
-from megalign.dump.reader import Dump
+from megalign.dump.reader import DumpFiles
 from megalign.dump.sharding import merge_tp
 
 
@@ -16,7 +16,7 @@ def entries(path):
 
 
 def shards(path, kind, name):
-    dump = Dump.open(path)
+    dump = DumpFiles.open(path)
     found = [(rank, r) for rank in dump.ranks for r in rank.records if (r.kind, r.name) == (kind, name)]
     return [dump.load(rank, r) for rank, r in sorted(found, key=lambda s: s[0].coords.tp_rank)], found[0][1]
 
@@ -48,12 +48,12 @@ def test_cp_zigzag_is_undone(dump):
     reference = entries(dump(*CP1))[("activation", name)].load().tensor
     merged = entries(dump(*CP2))[("activation", name)].load().tensor
     assert torch.allclose(merged, reference, atol=1e-6, rtol=0)
-    dump_cp2 = Dump.open(dump(*CP2))
+    dump_cp2 = DumpFiles.open(dump(*CP2))
     halves = [dump_cp2.load(rank, r) for rank in sorted(dump_cp2.ranks, key=lambda k: k.coords.cp_rank)
               for r in rank.records if (r.kind, r.name) == ("activation", name)]
     assert not torch.allclose(torch.cat(halves, dim=0), reference, atol=1e-3, rtol=0)  # twin: no un-zigzag
 
 
 def _records(path, kind, name):
-    dump = Dump.open(path)
+    dump = DumpFiles.open(path)
     return [(rank, r) for rank in dump.ranks for r in rank.records if (r.kind, r.name) == (kind, name)]

@@ -87,9 +87,9 @@ def test_padding_masks_the_loss(dump):
 @pytest.mark.parametrize("args", [("--filter", r"layers\.1\."), ("--stats-only",)])
 def test_dump_options_keep_inputs(dump, args):
     path = dump("forward", *args)
-    from megalign.dump.reader import Dump
+    from megalign.dump.reader import DumpFiles
 
-    records = [record for _, record in Dump.open(path).records()]
+    records = [record for _, record in DumpFiles.open(path).records()]
     assert any(r.kind == "input" for r in records)
     if args[0] == "--filter":
         assert all("layers.1." in r.name for r in records if r.kind != "input")

@@ -15,7 +15,7 @@ import pytest
 from conftest import invoke, tensors
 from test_run_layouts import TINY_PARAMETERS, TOLERANCE, assert_agree
 
-from megalign.dump.reader import Dump
+from megalign.dump.reader import DumpFiles
 
 SINGLE = ("backward",)
 LAYOUTS = {
@@ -36,7 +36,7 @@ def test_training_layout_matches_the_single_rank_run(dump, layout):
 
 
 def test_sequence_parallel_shards_are_recorded(dump):
-    records = [r for _, r in Dump.open(dump("backward", *LAYOUTS["tp2-sp"])).records()]
+    records = [r for _, r in DumpFiles.open(dump("backward", *LAYOUTS["tp2-sp"])).records()]
     split = {r.name for r in records if r.sharding.sp}
     # Norms, row-parallel outputs and the layer outputs carry half the sequence on each TP rank.
     assert {"decoder.layers.0.input_layernorm", "decoder.layers.0.self_attention.linear_proj", "decoder.layers.1",

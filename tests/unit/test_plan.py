@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalign.compare.plan import Replica, Shard, Unassemblable, make_plan
+from megalign.compare.plan import RankRecord, Replica, Unassemblable, make_plan
 from megalign.dump.format import RankCoords, TensorRecord
 from megalign.dump.layout import Layout
 from megalign.dump.reader import RankManifest
 from megalign.dump.sharding import Sharding
 
 
-def shard(rank: int, shape, sharding: Sharding, tp: int = 0, cp: int = 0, dp: int = 0, hash=None) -> Shard:
+def shard(rank: int, shape, sharding: Sharding, tp: int = 0, cp: int = 0, dp: int = 0, hash=None) -> RankRecord:
     coords = RankCoords(rank=rank, tp_rank=tp, cp_rank=cp, dp_rank=dp)
     record = TensorRecord(kind="activation", name="x", order=0, shape=list(shape), dtype="float32",
                           sharding=sharding, file="tensors-00000.safetensors", key="x", hash=hash)
-    return Shard(RankManifest(dir=Path("."), coords=coords, records=[record]), record)
+    return RankRecord(RankManifest(dir=Path("."), coords=coords, records=[record]), record)
 
 
 def runs_by_rank(plan) -> dict[int, dict[int, list[tuple[int, int, int]]]]:

@@ -21,7 +21,7 @@ from megalign.errors import UserError
 def open_source(path: Path) -> Source:
     """Detect what `path` is and open it; UserError (exit 2) when it is none of the three."""
     from megalign.compare.sources import megalign, plain, sglang, sglang_server_source
-    from megalign.dump.reader import Dump
+    from megalign.dump.reader import DumpFiles
 
     path = Path(path)
     if not path.exists():
@@ -30,7 +30,7 @@ def open_source(path: Path) -> Source:
         return plain.open_plain(path)
     if not path.is_dir():
         raise UserError(f"{path}: neither a regular file nor a folder")
-    if Dump.is_dump(path) or any(path.glob("rank-*")):
+    if DumpFiles.is_dump(path) or any(path.glob("rank-*")):
         return megalign.open_megalign(path)
     sglang_dir = sglang.find_sglang_dir(path)
     if sglang_dir is not None and sglang_server_source.is_server_dump(sglang_dir):

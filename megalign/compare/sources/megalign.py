@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Optional
 
 from megalign.compare.entries import Entry, Source, phase
-from megalign.compare.plan import Shard, full_shape
+from megalign.compare.plan import RankRecord, full_shape
 from megalign.compare.reassemble import reassemble
 from megalign.compare.steps import step_name, step_order
-from megalign.dump.format import TensorRecord, repeat_name
+from megalign.dump.format import Kind, TensorRecord, repeat_name
 from megalign.dump.layout import Layout
-from megalign.dump.reader import Dump
+from megalign.dump.reader import DumpFiles
 from megalign.dump.tensorfile import STORED_DTYPES
 from megalign.errors import is_int
 
@@ -34,8 +34,8 @@ def open_megalign(path: Path) -> Source:
 
 
 def _open(path: Path) -> Source:
-    dump = Dump.open(path)
-    groups: dict[tuple[str, str], list[Shard]] = {}
+    dump = DumpFiles.open(path)
+    groups: dict[tuple[str, str], list[RankRecord]] = {}
     dumped = _steps(dump.meta)
     several = len(dumped) > 1
     steps: dict[tuple[str, str], Optional[int]] = {}  # each entry's step, where the dump records steps
@@ -45,7 +45,7 @@ def _open(path: Path) -> Source:
         labels = [record.name if step is None or not several else step_name(step, record.name)
                   for record, step in zip(rank.records, stepped)]
         for record, step, name in zip(rank.records, stepped, _repeats(rank.records, labels)):
-            groups.setdefault((record.kind, name), []).append(Shard(rank, record))
+            groups.setdefault((record.kind, name), []).append(RankRecord(rank, record))
             steps[(record.kind, name)] = step
             rows[(record.kind, name)] = dump.rows_at(step) if dump.step_rows else None
     meta = dump.meta
@@ -113,7 +113,7 @@ def _step(marks: Optional[list], order: int) -> Optional[int]:
     return found
 
 
-def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: Optional[int], several: bool,
+def _entry(dump: DumpFiles, kind: str, name: str, shards: list[RankRecord], step: Optional[int], several: bool,
            rows: Optional[list]) -> Entry:
     """An entry of a dump; where it holds several steps, ordered by step first."""
     record = shards[0].record
@@ -126,9 +126,9 @@ def _entry(dump: Dump, kind: str, name: str, shards: list[Shard], step: Optional
                  nbytes=None if record.file is None else math.prod(shape) * itemsize, shards=shards, rows=rows)
 
 
-def _order(shard: Shard) -> tuple:
+def _order(shard: RankRecord) -> tuple:
     """Every PP stage counts its records from 0: forward runs through the stages in ascending
     order, the backward in descending order."""
     stage = shard.rank.coords.pp_rank
     kind = shard.record.kind
-    return phase(kind), -stage if kind == "activation_grad" else stage, shard.record.order
+    return phase(kind), -stage if kind == Kind.ACTIVATION_GRAD else stage, shard.record.order

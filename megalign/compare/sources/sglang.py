@@ -41,7 +41,7 @@ from megalign.compare.sources.plain import is_regular, load_pt, tensor_files, te
 from megalign.compare.sources.sglang_dims import (Sharded, parallel_info, parse_dims, rank_coords, sharded,
                                                   split_on)
 from megalign.compare.steps import step_name
-from megalign.dump.format import layer_of, repeat_name
+from megalign.dump.format import Kind, layer_of, repeat_name
 from megalign.dump.megatron_params import gated_linear, tp_dim_by_name
 from megalign.dump.tensorfile import content_hash
 from megalign.errors import UserError
@@ -113,12 +113,12 @@ def _refuse_earliest(path: Path, folders: list[Path]) -> None:
 def logical_name(dumped: str) -> tuple[str, str]:
     """(kind, name) in megalign's terms for a name as sglang's dumper wrote it."""
     if dumped.startswith("grad__param__"):
-        return "param_grad", dumped.removeprefix("grad__param__")
+        return Kind.PARAM_GRAD, dumped.removeprefix("grad__param__")
     if dumped.startswith("param__"):
-        return "param", dumped.removeprefix("param__")
-    kind = "activation"
+        return Kind.PARAM, dumped.removeprefix("param__")
+    kind = Kind.ACTIVATION
     if dumped.startswith("grad__"):
-        kind, dumped = "activation_grad", dumped.removeprefix("grad__")
+        kind, dumped = Kind.ACTIVATION_GRAD, dumped.removeprefix("grad__")
     if dumped.startswith("non_intrusive__"):
         module, _, output = dumped.removeprefix("non_intrusive__").rpartition(".output")
         if module and output in ("", ".0"):
@@ -126,11 +126,13 @@ def logical_name(dumped: str) -> tuple[str, str]:
         if module and output[1:].isdigit():
             return kind, f"{module}#{output[1:]}"  # megalign's name for a module's i-th output
         dumped = dumped.removeprefix("non_intrusive__")
-    if kind == "activation":
+    if kind == Kind.ACTIVATION:
         if dumped == "input_ids":
-            return "input", "tokens"
-        if dumped in ("position_ids", "loss", "logprobs", "logits"):
-            return ("input" if dumped == "position_ids" else dumped), dumped
+            return Kind.INPUT, "tokens"
+        if dumped == "position_ids":
+            return Kind.INPUT, dumped
+        if dumped in (Kind.LOSS, Kind.LOGPROBS, Kind.LOGITS):  # each the one tensor of its kind
+            return Kind(dumped), dumped
     return kind, dumped
 
 
@@ -160,11 +162,11 @@ def open_sglang(path: Path, folder: Path) -> Source:
         first = min(group, key=lambda f: f.rank)
         layer = first.meta.get("layer_id")
         group = sorted(group, key=lambda f: f.rank)
-        if kind == "param_grad":
+        if kind == Kind.PARAM_GRAD:
             fc2 = groups.get((kind, _FC1.sub("linear_fc2.weight", name)), [])
             load = partial(_param_grad, group, name.rpartition("/")[2], fc2)
         else:
-            load = partial(_loss if kind == "loss" else _reassemble, group)
+            load = partial(_loss if kind == Kind.LOSS else _reassemble, group)
         entries.append(Entry(kind=kind, name=name, order=(phase(kind), 0, first.dump_index),
                              layer=layer if isinstance(layer, int) else layer_of(name), load=load))
     ranks = len({f.rank for f in files})

@@ -23,7 +23,7 @@ from megalign.compare.sources.plain import tensor_value
 from megalign.compare.sources.sglang import dump_files, logical_name, parse_filename
 from megalign.compare.sources.sglang_names import PER_REQUEST, SUMMED, megatron_name
 from megalign.compare.sources.sglang_server import CORE, ServerDump, fill_prefixes, open_server_dump
-from megalign.dump.format import layer_of
+from megalign.dump.format import Kind, layer_of
 from megalign.dump.layout import BatchRow
 from megalign.errors import UserError
 
@@ -52,7 +52,7 @@ def open_server(path: Path, folder: Path) -> Source:
             entries.append(_at_ends(dump, dumped, per_request))
         elif dumped not in FORWARD_BATCH:
             left_out.append(dumped)
-    entries += [Entry(kind="input" if target in INPUTS.values() else "activation", name=target,
+    entries += [Entry(kind=Kind.INPUT if target in INPUTS.values() else Kind.ACTIVATION, name=target,
                      order=(0, 0, dump.order[names[0]]), layer=layer_of(target), load=partial(_lined_up, dump, names),
                      batch_dim=0, seq_dim=1) for target, names in by_target.items()]
     lengths = [len(r.tokens) for r in dump.requests]

@@ -21,7 +21,7 @@ from megalign.capture.dumper import Dumper
 from megalign.capture.hooks import Hooks
 from megalign.capture.transformers_adapter import (BATCH_FIRST, SEQ_FIRST, is_experts, megatron_router,
                                                    output_sharding, router_layer, routing_records)
-from megalign.dump.format import PRECISION_DTYPES, layer_of
+from megalign.dump.format import PRECISION_DTYPES, Kind, layer_of
 from megalign.dump.meta import package_version
 from megalign.dump.sharding import Sharding
 from megalign.errors import UserError
@@ -53,19 +53,19 @@ def _run(spec: RunSpec) -> None:
     inputs = {k: v.to(spec.device) for k, v in batch.as_dict().items()}
     dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, claim=False)
     for key, value in inputs.items():
-        dumper.add("input", key, value, BATCH_FIRST)
+        dumper.add(Kind.INPUT, key, value, BATCH_FIRST)
 
     backward = spec.mode == "backward"
     capture = HFCapture(model, checkpoint.names, dumper, spec.seq_len, moe=checkpoint.family.experts is not None)
     with torch.set_grad_enabled(backward), precision(spec.dtype):
         logits = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], use_cache=False).logits
-        dumper.add("logits", "logits", logits, BATCH_FIRST)
+        dumper.add(Kind.LOGITS, "logits", logits, BATCH_FIRST)
         labels = inputs["labels"]
         per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
-        dumper.add("logprobs", "logprobs", -per_token, BATCH_FIRST)
+        dumper.add(Kind.LOGPROBS, "logprobs", -per_token, BATCH_FIRST)
         mask = inputs["loss_mask"]
         loss = mean_token_loss(per_token, mask, mask.sum())
-        dumper.add("loss", "loss", loss, Sharding())
+        dumper.add(Kind.LOSS, "loss", loss, Sharding())
         if backward:
             loss.backward()
     capture.remove()
@@ -131,7 +131,7 @@ class HFCapture:
         """The router's (logits, weights, experts) over [b*s] tokens, written as megatron's routing records."""
         def record(module, inputs, output):
             for key, tokens in routing_records(layer, output, self.seq_len).items():
-                self._write(key, tokens, SEQ_FIRST, megatron_router(layer), kind="routing")
+                self._write(key, tokens, SEQ_FIRST, megatron_router(layer), kind=Kind.ROUTING)
 
         return record
 
@@ -155,7 +155,7 @@ class HFCapture:
         self._write(key, tensor, output_sharding(tensor, self.seq_len), key.split("#")[0])
 
     def _write(self, key: str, tensor: torch.Tensor, sharding: Sharding, module: str, joined: bool = False,
-               kind: str = "activation") -> None:
+               kind: Kind = Kind.ACTIVATION) -> None:
         # Everything deferred came after the join's first part: the join goes first.
         self.deferred.insert(0 if joined else len(self.deferred), (kind, key, tensor, sharding, module))
         if self.pending:
@@ -180,8 +180,8 @@ def write_param_grads(model: torch.nn.Module, names: NameMap, dumper: Dumper, ex
     used = set()
     for megatron, (rule, parts) in names.params().items():
         value = names.join(rule, [grads[p] for p in parts], dim=0)
-        dumper.add("param_grad", megatron, value, module=megatron.rsplit(".", 1)[0], stable=True)
+        dumper.add(Kind.PARAM_GRAD, megatron, value, module=megatron.rsplit(".", 1)[0], stable=True)
         used.update(parts)
     for name in (n for n in grads if n not in used):
-        dumper.add("param_grad", name, grads[name], module=name.rsplit(".", 1)[0], stable=True)
+        dumper.add(Kind.PARAM_GRAD, name, grads[name], module=name.rsplit(".", 1)[0], stable=True)
     return coverage

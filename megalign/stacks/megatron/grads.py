@@ -21,6 +21,7 @@ from megalign.capture.ddp_grads import held_gradients
 from megalign.capture.dumper import Dumper
 from megalign.capture.megatron_adapter import param_grad_layout, param_sharding, read_grads
 from megalign.capture.megatron_names import global_name, is_duplicate_embedding
+from megalign.dump.format import Kind
 from megalign.spec import RunSpec
 
 
@@ -43,5 +44,5 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: 
         present += 1
         grad, sharding = param_grad_layout(name, grad, param_sharding(name, params[name], spec.model.swiglu),
                                            vocab, padded)
-        dumper.add("param_grad", name, grad, sharding, module=name.rsplit(".", 1)[0], stable=True)
+        dumper.add(Kind.PARAM_GRAD, name, grad, sharding, module=name.rsplit(".", 1)[0], stable=True)
     return check_coverage(missing, len(missing) + present, spec.grad_source)

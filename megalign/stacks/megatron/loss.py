@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalign.dump.sharding import Sharding
 from megalign.capture.dumper import Dumper
+from megalign.dump.format import Kind
+from megalign.dump.sharding import Sharding
 from megalign.stacks.batch import mean_token_loss
 
 
@@ -23,7 +24,7 @@ def token_loss(dumper: Dumper, loss_mask: torch.Tensor, loss_norm: str, per_toke
 
     # The ranks that share one batch's tokens: DP ranks hold other sequences, CP ranks other chunks.
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    dumper.add("logprobs", "logprobs", -per_token, Sharding(seq_dim=1, dp_dim=0))
+    dumper.add(Kind.LOGPROBS, "logprobs", -per_token, Sharding(seq_dim=1, dp_dim=0))
     mask = loss_mask.float()
     local_count = mask.sum()
     count = local_count.clone()
@@ -32,6 +33,6 @@ def token_loss(dumper: Dumper, loss_mask: torch.Tensor, loss_norm: str, per_toke
     loss = mean_token_loss(per_token, mask, count)
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
-    dumper.add("loss", "loss", total, Sharding())
+    dumper.add(Kind.LOSS, "loss", total, Sharding())
     # With calculate_per_token_loss, megatron neither divides nor rescales the returned loss.
     return loss, local_count.int(), {"loss": total}

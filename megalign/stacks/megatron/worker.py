@@ -3,7 +3,8 @@
 Started once per rank by torch's launcher (`python -m megalign.stacks.megatron.worker SPEC.json`),
 or in-process by `megalign ... --launcher none` under a user's own torchrun/srun. Progress and
 failures go to stdout as `@@megalign {json}` lines that the launcher reads (stacks/events.py). Every
-tensor is written through megalign.Dumper, with the sharding capture.py infers.
+tensor is written through megalign.Dumper, the model's outputs as capture/'s megatron-core adapter
+names and lays them out (capture/megatron_adapter.py, with the worker's own outputs).
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megalign.capture.dumper import Dumper
+    from megalign.capture.megatron_adapter import MegatronAdapter, WorkerOutputs
+    from megalign.dump.format import Kind
     from megalign.dump.layout import cp_split_bounds, dp_rows
-    from megalign.capture.megatron_outputs import LocalShape
     from megalign.dump.sharding import Sharding
     from megalign.stacks.batch import batch_rows, build_batch
-    from megalign.stacks.megatron.capture import ActivationCapture
     from megalign.stacks.megatron.grads import collect_param_grads
     from megalign.stacks.megatron.loss import token_loss
     from megalign.stacks.megatron.model import build_model, load_weights, transformer_config
@@ -107,16 +108,16 @@ def _run(spec: RunSpec, rank: int) -> None:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     if spec.device == "cuda":
         batch = {k: v.cuda() for k, v in batch.items()}
-    local = LocalShape.of_model(config, batch["tokens"], layout.tp)
 
     if coords.pp_rank == 0:  # every stage sees the same inputs; one copy keeps names unique across stages
         for key, value in batch.items():
-            dumper.add("input", key, value, Sharding(seq_dim=1, dp_dim=0))
+            dumper.add(Kind.INPUT, key, value, Sharding(seq_dim=1, dp_dim=0))
     if spec.routing_replay:
         from megalign.stacks.megatron.moe import replay_routing
 
         replay_routing(model, spec, rows, coords)  # before the capture's hooks, which then see the forced choices
-    capture = ActivationCapture(model, dumper, spec.model, local, grads=backward)
+    outputs = WorkerOutputs(spec.model.vocab_size, spec.model.padded_vocab_size(layout.tp))
+    dumper.hook_outputs(model, MegatronAdapter(model, [], dumper.layout, outputs))  # its gradients: grads.py
 
     if backward:
         # Forward-only runs never wrap in DDP: its gradient buffers would be allocated for nothing.
@@ -142,7 +143,6 @@ def _run(spec: RunSpec, rank: int) -> None:
         reduced = schedule(forward_step_func=forward_step, data_iterator=iter([batch]), model=[chunk],
                            num_microbatches=1, seq_length=spec.seq_len, micro_batch_size=batch["tokens"].shape[0],
                            forward_only=not backward)
-    capture.remove()
     emit("backward" if backward else "forward", rank)
 
     manifest = {}
