@@ -44,6 +44,7 @@ from megalign.capture.coverage import collective_device, read_grad
 from megalign.capture.ddp_grads import (find_megatron_ddp, gathered_grads, held_gradients, is_megatron_ddp,
                                      megatron_state, sharded, tp_group)
 from megalign.capture.dtensor import is_dtensor, local_piece
+from megalign.capture.grad_reads import GradReads
 from megalign.capture.hooks import Hooks
 from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, Stated, check_stated
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, RankCoords, TensorRecord, check_name, dtype_name,
@@ -122,6 +123,10 @@ class Dumper:
         self._watched: dict[str, torch.nn.Parameter] = {}  # parameter name -> parameter, of watched modules
         self._ddps: list[torch.nn.Module] = []  # megatron DDPs of watched modules (their grads: ddp_grads.py)
         self._hooks = Hooks()
+        # param_grad read when the reduction completes, and again as the optimizer steps (grad_reads.py)
+        self._reads = GradReads(self._dump_grads, self._held_grads, self._writer.discard,
+                                lambda: self._writing and self._step_now is not None,
+                                lambda: self.layout.dp == 1 or self._reducers.reduce_in_backward())
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules whose outputs are watched (a model may go)
         self._batch: Optional[int] = None  # rows of the watched module's input on batch_dim, once it ran
         # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
@@ -295,7 +300,11 @@ class Dumper:
             module = module.module  # names as the model's own, without DDP's `module.`
         else:
             self._ddps.extend(filter(None, [find_megatron_ddp(module)]))
+        for ddp in self._ddps:  # its scaling, and the per-token loss's division a step (grad_convention.py)
+            self._reducers.watch_megatron(ddp, lambda: self._step_now if self._writing else None)
         megatron = is_megatron_model(module)
+        if not megatron:  # megatron-core's DDP reduces in finalize_model_grads: read at the step's end
+            self._reads.watch(module, self._optimizer_steps)
         if outputs and not megatron and (self.layout.tp > 1 or self.layout.cp > 1):
             # Labelled as replicas, outputs split over TP or CP ranks would be put back together wrong.
             raise NotImplementedError("watch() infers TP and CP splits of megatron-core models only; "
@@ -404,10 +413,12 @@ class Dumper:
         """A training step, written if `steps` chose it: when the block ends, the watched modules'
         parameter gradients are dumped (`.grad`, or megatron DDP's `main_grad`, gathered from every
         rank's shard under the distributed optimizer), with `params=True` the parameters too, and
-        dump.json records `n`. End the block after the gradients are final (megatron-core:
-        after finalize_model_grads) and before the optimizer step. A block that raises leaves its
-        step out of the dump, with a warning (a loop that skips a step after an error goes on);
-        steps do not nest."""
+        dump.json records `n`. A watched torch model's gradients are read when each backward's
+        reduction completes instead, before any clip, and again as a torch optimizer steps on them
+        (`name#stepped` where they differ: grad_reads.py), so a clip may stand inside the block or
+        after it. End the block before the optimizer step (megatron-core: after
+        finalize_model_grads). A block that raises leaves its step out of the dump, with a warning
+        (a loop that skips a step after an error goes on); steps do not nest."""
         n = _step_number(n)
         self._check_open("step")
         if self._step_now is not None:
@@ -422,6 +433,7 @@ class Dumper:
         self._writer.summaries.fused = bool(self._steps)
         if self._writing:
             self._marks.append([n, len(self.records)])
+        self._reads.begin_step()
         try:
             yield
         except BaseException as error:
@@ -430,7 +442,11 @@ class Dumper:
             raise
         else:
             if self._writing:
-                self._dump_parameters()
+                if self._reads.watching:
+                    self._reads.end_step()
+                else:
+                    self._dump_grads()
+                self._dump_params()
                 self._steps.append(n)
         finally:
             self._writing, self._step_now = outside, outside_step
@@ -456,7 +472,28 @@ class Dumper:
                                f"{os.getpid()}, a fork of it, would mix into its dump or lose it (make a Dumper of "
                                "this process's own, with another out)")
 
-    def _dump_parameters(self) -> None:
+    def _optimizer_steps(self) -> None:
+        """A torch optimizer is about to step: after a written step's block, its gradients as the
+        optimizer takes them (grad_reads.py), written under that step."""
+        if self._step_now is None and self._reads.awaiting and not self._closed:
+            self._reads.awaiting = False
+            outside, self._writing = self._writing, True
+            try:
+                self._reads.stepped()
+            finally:
+                self._writing = outside
+
+    def _held_grads(self) -> list[torch.Tensor]:
+        return [grad for grad in map(read_grad, self._watched.values()) if grad is not None]
+
+    def _dump_params(self) -> None:
+        """With `params`, the watched parameters (before the optimizer steps)."""
+        for name, param in self._watched.items() if self._params else ():
+            self.add("param", name, param.detach(), _param_sharding(param), module=name.rpartition(".")[0] or None)
+
+    def _dump_grads(self, suffix: str = "") -> range:
+        """The watched parameters' gradients, named with `suffix`; the orders written."""
+        first = len(self.records)
         names = {id(param): name for name, param in self._watched.items()}
         grads = {}
         for ddp in self._ddps:
@@ -476,10 +513,9 @@ class Dumper:
         for name, param in self._watched.items():
             module, sharding = name.rpartition(".")[0] or None, _param_sharding(param)
             if grads[name] is not None and present.get(name, True):
-                self._record("param_grad", name, grads[name], sharding, module=module,
+                self._record("param_grad", name + suffix, grads[name], sharding, module=module,
                              unless_zero=later and name in tested)
-            if self._params:
-                self.add("param", name, param.detach(), sharding, module=module)
+        return range(first, len(self.records))
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
@@ -491,6 +527,8 @@ class Dumper:
         self._closed = True
         self._forget_unclosed()
         self._hooks.remove()
+        self._reads.remove()
+        self._reducers.release()
         if not self._choice.all and not self._steps:  # MEGALIGN_DUMP_STEPS=7 in a run of 3 steps
             warnings.warn(f"megalign.Dumper({str(self.out)!r}): none of the steps it was to dump ran "
                           f"(steps {self._choice}): the dump holds no step", stacklevel=2)
@@ -550,6 +588,8 @@ class Dumper:
         self._closed = True
         self._forget_unclosed()
         self._hooks.remove()
+        self._reads.remove()
+        self._reducers.release()
         with contextlib.suppress(Exception):  # the error being handled is the one to report
             self._writer.close()
         self._landing.__exit__(RuntimeError, RuntimeError("aborted"), None)
