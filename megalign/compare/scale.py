@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 from megalign.compare.metrics import StatsMetrics, TensorMetrics
-from megalign.dump.format import REPEAT, Kind
+from megalign.dump.format import REPEAT, STEPPED, Kind
 
 # precision -> (FLOOR, SPREAD), from SmolLM2-135M, transformers against megatron-core at TP=3, CP=2, TP=3+SP,
 # PP=2 and packed rows, over 28 texts (bench/calibrate.py, docs/compare.md "Verdicts on a real model"): each
@@ -202,10 +202,11 @@ def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[Kin
 
 
 def _group(kind: str, name: str, precision: str) -> tuple[str, str, str]:
-    """(kind, step, precision): the step as KindScale.step says it."""
+    """(kind, step, precision): the step as KindScale.step says it. Gradients as the optimizer
+    stepped on them (a clip's scale in every one) are a pool apart from the reduced ones."""
     step = _STEP.search(name)
     label = "" if not step else step.group() if step.group().startswith("@") else f" {step.group()[:-1]}"
-    return kind, label, precision
+    return kind, label + (f" {STEPPED}" if name.endswith(STEPPED) else ""), precision
 
 
 def ratios(n: int, norms: tuple[float, float], sums: tuple[float, float]) -> tuple[float, Optional[float]]:
