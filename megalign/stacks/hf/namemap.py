@@ -43,6 +43,7 @@ class NameMap:
                 continue
             experts = range(model.num_moe_experts or 1)
             self.rules += [r.expand(i, e) for i in range(model.num_layers) for r in block
+                           if r.layers == "all" or (r.layers == "moe") == model.is_moe_layer(i)
                            for e in (experts if r.per_expert else (0,))]
             block = []
             if rule is not None:
@@ -60,6 +61,11 @@ class NameMap:
             return torch.cat(parts, dim=dim)
         (only,) = parts
         return only
+
+    def buffers(self) -> dict[str, str]:
+        """Every megatron buffer loaded with the weights -> the HF tensor it is read from."""
+        return {f"{rule.megatron}.{ours}": f"{hf}.{theirs}" for rule in self.rules
+                for ours, theirs in rule.buffers for hf in rule.hf}
 
     def params(self) -> dict[str, tuple[Rule, tuple[str, ...]]]:
         """Every megatron parameter of the model -> (its rule, the HF tensors it is joined from)."""

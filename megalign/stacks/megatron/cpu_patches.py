@@ -211,6 +211,24 @@ def _thd_partitioned_indices():
     utils.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
 
 
+def _mla_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
+
+    init = MLASelfAttention.__init__
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        # MLA's keys are qk_head_dim + qk_pos_emb_head_dim wide and its values v_head_dim: the local
+        # attention sizes both from kv_channels and refuses the two widths; megalign's takes them.
+        if submodules.core_attention is DotProductAttention:
+            submodules.core_attention = ZigzagCPAttention
+        init(self, config, submodules, *args, **kwargs)
+
+    MLASelfAttention.__init__ = __init__
+
+
 def _on_cpu(schedule, cuda_type_names: bool = False):
     """Run a schedule (or any megatron function) with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU.
     `cuda_type_names`: a CPU tensor's `.type()` also answers `torch.cuda.FloatTensor` (and so on) inside the call, for the
@@ -260,6 +278,11 @@ THD_PARTITION = Patch(("megatron.core.utils:tex",),
                       "thd_get_partitioned_indices; without TE, the same indices computed in torch",
                       _thd_partitioned_indices)
 
+MLA_CORE_ATTENTION = Patch(("megatron.core.transformer.multi_latent_attention:MLASelfAttention.__init__",
+                            "megatron.core.transformer.dot_product_attention:DotProductAttention"),
+                           "MLASelfAttention passes k_channels/v_channels to its core attention, which the local "
+                           "DotProductAttention does not take (a TypeError at build)", _mla_core_attention)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(("torch.cuda:current_device",), "model build asks for the current CUDA device", _cpu_current_device),
     Patch(("megatron.core.tensor_parallel.random:CudaRNGStatesTracker",
@@ -292,6 +315,7 @@ PATCHES: tuple[Patch, ...] = (
     NO_COMPILE,
     UNEVEN_COLLECTIVES,
     THD_PARTITION,
+    MLA_CORE_ATTENTION,
 )
 
 _applied = False
