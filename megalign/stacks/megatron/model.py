@@ -128,11 +128,22 @@ def _mixed_block_spec(spec: RunSpec, config: TransformerConfig, backend: str):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=spec.model.normalization)
-    if backend == "torch":
-        from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
+    for layer in block.layer_specs:
+        if backend == "torch":
+            from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
 
-        for layer in block.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
+        if spec.layout.sp:
+            from megalign.stacks.megatron.norm import SequenceParallelNorm
+
+            # MLA scatters its q and kv latents over the sequence too: their norms' weights see a part of it.
+            attention = layer.submodules.self_attention.submodules
+            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+            for norm in ("q_layernorm", "kv_layernorm"):
+                if hasattr(attention, norm):
+                    setattr(attention, norm, SequenceParallelNorm)
+    if spec.layout.sp:
+        block.layer_norm = SequenceParallelNorm
     return block
 
 
