@@ -42,8 +42,8 @@ def open_checkpoint(path: Path) -> HFCheckpoint:
     raw = _read_config(path / CONFIG)
     family = family_of(raw, str(path / CONFIG))
     model = model_config(raw, family, name=f"{family.model_type}:{path.name}", source=str(path / CONFIG))
-    checkpoint = HFCheckpoint(path=path, family=family, model=model, names=NameMap(family, model),
-                              files=_tensor_files(path))
+    names = NameMap(family, model, family.row_orders(raw, model))
+    checkpoint = HFCheckpoint(path=path, family=family, model=model, names=names, files=_tensor_files(path))
     _check_coverage(checkpoint)
     return checkpoint
 

@@ -168,6 +168,10 @@ class Family:
     rules: tuple[Rule, ...]
     config: Callable[[dict, str], dict] = field(repr=False)  # family-specific ModelConfig fields
     experts: Optional[Experts] = None  # MoE families
+    # config.json, ModelConfig -> {a megatron module's last name: the order of its HF rows}, where megatron
+    # reads a weight's rows in another order than the checkpoint lays them out (namemap.py applies it).
+    row_orders: Callable[[dict, ModelConfig], dict[str, torch.Tensor]] = field(default=lambda raw, model: {},
+                                                                                repr=False)
 
 
 def _llama(raw: dict, source: str) -> dict:
@@ -224,9 +228,6 @@ def _deepseek_v3_fields(raw: dict, source: str) -> dict:
         raise UserError(f"{source}: q_lora_rank=null (one q_proj, DeepSeek-V2-Lite's layout) is not supported")
     if raw.get("attention_bias"):
         raise UserError(f"{source}: attention_bias=true biases the MLA projections, which the mapping cannot express")
-    if not raw.get("rope_interleave", True):
-        raise UserError(f"{source}: rope_interleave=false is not supported (megatron's MLA always reads the rope "
-                        "rows of q_b_proj and kv_a_proj_with_mqa interleaved)")
     if not raw.get("norm_topk_prob", True):
         raise UserError(f"{source}: norm_topk_prob=false with sigmoid scores: megatron always renormalises the "
                         "chosen experts' weights")
@@ -248,6 +249,19 @@ def _deepseek_v3_fields(raw: dict, source: str) -> dict:
             "kv_lora_rank": raw["kv_lora_rank"], "qk_head_dim": raw["qk_nope_head_dim"],
             "qk_pos_emb_head_dim": raw["qk_rope_head_dim"], "v_head_dim": raw["v_head_dim"],
             "qk_layernorm": True}
+
+
+def _mla_rope_rows(raw: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """megatron's MLA always reads the rope part of the query and key as interleaved pairs (x0, x1), (x2, x3)...
+    and de-interleaves them; with rope_interleave=false transformers rotates the halves (x_i, x_{i+d/2}). The
+    rope rows of q_b_proj (per head) and kv_a_proj_with_mqa are interleaved so that megatron computes the same."""
+    if raw.get("rope_interleave", True):
+        return {}
+    rope, nope = model.qk_pos_emb_head_dim, model.qk_head_dim
+    pairs = torch.arange(rope).view(2, -1).t().flatten()  # 0, d/2, 1, d/2 + 1, ...
+    head = torch.cat([torch.arange(nope), nope + pairs])
+    return {"linear_q_up_proj": torch.cat([h * (nope + rope) + head for h in range(model.num_attention_heads)]),
+            "linear_kv_down_proj": torch.cat([torch.arange(model.kv_lora_rank), model.kv_lora_rank + pairs])}
 
 
 def _moe(raw: dict, source: str, ffn: str) -> dict:
@@ -276,7 +290,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", "MixtralForCausalLM", _decoder_rules(experts=MIXTRAL_EXPERTS), _mixtral,
            experts=MIXTRAL_EXPERTS),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", _deepseek_v3_rules(q_lora=True), _deepseek_v3,
-           experts=DEEPSEEK_V3_EXPERTS),
+           experts=DEEPSEEK_V3_EXPERTS, row_orders=_mla_rope_rows),
 )}
 
 

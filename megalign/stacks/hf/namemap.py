@@ -32,8 +32,9 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, dim
 class NameMap:
     """A family's rules expanded over the layers of one model."""
 
-    def __init__(self, family: Family, model: ModelConfig):
+    def __init__(self, family: Family, model: ModelConfig, row_orders: Optional[dict[str, torch.Tensor]] = None):
         self.model = model
+        self.row_orders = row_orders or {}  # Family.row_orders
         # Layer by layer, in the table's order: the order of megatron's parameters and module outputs.
         self.rules: list[Rule] = []
         block: list[Rule] = []
@@ -55,6 +56,12 @@ class NameMap:
         return self._by_hf_module.get((hf_module, on))
 
     def join(self, rule: Rule, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The HF parts as megatron's tensor; a weight's rows, its gradient's and its output's last dim alike."""
+        order = self.row_orders.get(rule.megatron.rsplit(".", 1)[-1])
+        joined = self._join(rule, parts, dim)
+        return joined if order is None else joined.index_select(dim, order.to(joined.device))
+
+    def _join(self, rule: Rule, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         if rule.join == "qkv":
             return fuse_qkv(*parts, groups=self.model.num_query_groups, dim=dim)
         if rule.join == "cat":
