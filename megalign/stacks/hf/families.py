@@ -165,13 +165,17 @@ DEEPSEEK_V3_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down=
 class Family:
     model_type: str  # config.json's model_type
     architecture: str  # config.json's architectures[0]
-    rules: tuple[Rule, ...]
+    # The table, or a function of the model giving it where the modules depend on the config.
+    rules: tuple[Rule, ...] | Callable[[ModelConfig], tuple[Rule, ...]]
     config: Callable[[dict, str], dict] = field(repr=False)  # family-specific ModelConfig fields
     experts: Optional[Experts] = None  # MoE families
     # config.json, ModelConfig -> {a megatron module's last name: the order of its HF rows}, where megatron
     # reads a weight's rows in another order than the checkpoint lays them out (namemap.py applies it).
     row_orders: Callable[[dict, ModelConfig], dict[str, torch.Tensor]] = field(default=lambda raw, model: {},
                                                                                 repr=False)
+
+    def rules_of(self, model: ModelConfig) -> tuple[Rule, ...]:
+        return self.rules(model) if callable(self.rules) else self.rules
 
 
 def _llama(raw: dict, source: str) -> dict:
@@ -224,8 +228,6 @@ def _deepseek_v3_fields(raw: dict, source: str) -> dict:
         # they would be compared as numbers they are not.
         raise UserError(f"{source}: quantized weights ({raw['quantization_config'].get('quant_method', '?')}) are "
                         "not read; dequantise to bf16 or fp32 first")
-    if raw.get("q_lora_rank") is None:
-        raise UserError(f"{source}: q_lora_rank=null (one q_proj, DeepSeek-V2-Lite's layout) is not supported")
     if raw.get("attention_bias"):
         raise UserError(f"{source}: attention_bias=true biases the MLA projections, which the mapping cannot express")
     if not raw.get("norm_topk_prob", True):
@@ -289,7 +291,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts=QWEN3_MOE_EXPERTS),
     Family("mixtral", "MixtralForCausalLM", _decoder_rules(experts=MIXTRAL_EXPERTS), _mixtral,
            experts=MIXTRAL_EXPERTS),
-    Family("deepseek_v3", "DeepseekV3ForCausalLM", _deepseek_v3_rules(q_lora=True), _deepseek_v3,
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", lambda model: _deepseek_v3_rules(model.q_lora_rank is not None),
+           _deepseek_v3,
            experts=DEEPSEEK_V3_EXPERTS, row_orders=_mla_rope_rows),
 )}
 

@@ -38,7 +38,7 @@ class NameMap:
         # Layer by layer, in the table's order: the order of megatron's parameters and module outputs.
         self.rules: list[Rule] = []
         block: list[Rule] = []
-        for rule in family.rules + (None,):
+        for rule in family.rules_of(model) + (None,):
             if rule is not None and rule.per_layer:
                 block.append(rule)
                 continue

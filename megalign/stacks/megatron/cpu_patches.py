@@ -229,6 +229,28 @@ def _mla_core_attention():
     MLASelfAttention.__init__ = __init__
 
 
+def _mla_norms_without_q_lora():
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+
+    resolve = QKNormConfigResolver.resolve
+
+    def resolve_without_q_lora(self):
+        # Without q_lora_rank there is no q latent to norm: the resolver refuses the local spec's q norm, then
+        # asks for TE's fused norm+linear on linear_q_proj. The plain linear and the spec's kv norm compute
+        # what transformers does.
+        if self.has_q_lora or self.is_dsa or not self.config.qk_layernorm or \
+                self._is_fused_norm_linear(self.submodules.linear_q_proj):
+            return resolve(self)
+        return self._result(
+            linear_q_proj=self._non_fused_or_default(self.submodules.linear_q_proj, "linear_q_proj"),
+            linear_q_up_proj=IdentityOp, q_layernorm=IdentityOp,
+            linear_kv_up_proj=self._non_fused_or_default(self.submodules.linear_kv_up_proj, "linear_kv_up_proj"),
+            kv_layernorm=self.submodules.kv_layernorm)
+
+    QKNormConfigResolver.resolve = resolve_without_q_lora
+
+
 def _on_cpu(schedule, cuda_type_names: bool = False):
     """Run a schedule (or any megatron function) with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU.
     `cuda_type_names`: a CPU tensor's `.type()` also answers `torch.cuda.FloatTensor` (and so on) inside the call, for the
@@ -283,6 +305,14 @@ MLA_CORE_ATTENTION = Patch(("megatron.core.transformer.multi_latent_attention:ML
                            "MLASelfAttention passes k_channels/v_channels to its core attention, which the local "
                            "DotProductAttention does not take (a TypeError at build)", _mla_core_attention)
 
+MLA_NORMS_WITHOUT_Q_LORA = Patch(
+    ("megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver.resolve",
+     "megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver._non_fused_or_default",
+     "megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver._is_fused_norm_linear",
+     "megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver._result"),
+    "with q_lora_rank null the MLA norm resolver asks for TransformerEngine's fused norm+linear "
+    "(transformer/mla_qk_norm_config.py)", _mla_norms_without_q_lora)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(("torch.cuda:current_device",), "model build asks for the current CUDA device", _cpu_current_device),
     Patch(("megatron.core.tensor_parallel.random:CudaRNGStatesTracker",
@@ -316,6 +346,7 @@ PATCHES: tuple[Patch, ...] = (
     UNEVEN_COLLECTIVES,
     THD_PARTITION,
     MLA_CORE_ATTENTION,
+    MLA_NORMS_WITHOUT_Q_LORA,
 )
 
 _applied = False
