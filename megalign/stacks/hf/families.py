@@ -256,13 +256,15 @@ def _deepseek_v3_fields(raw: dict, source: str) -> dict:
 def _mla_rope_rows(raw: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
     """megatron's MLA always reads the rope part of the query and key as interleaved pairs (x0, x1), (x2, x3)...
     and de-interleaves them; with rope_interleave=false transformers rotates the halves (x_i, x_{i+d/2}). The
-    rope rows of q_b_proj (per head) and kv_a_proj_with_mqa are interleaved so that megatron computes the same."""
+    rope rows of q_b_proj (or q_proj; per head) and kv_a_proj_with_mqa are interleaved so that megatron computes
+    the same."""
     if raw.get("rope_interleave", True):
         return {}
     rope, nope = model.qk_pos_emb_head_dim, model.qk_head_dim
     pairs = torch.arange(rope).view(2, -1).t().flatten()  # 0, d/2, 1, d/2 + 1, ...
     head = torch.cat([torch.arange(nope), nope + pairs])
-    return {"linear_q_up_proj": torch.cat([h * (nope + rope) + head for h in range(model.num_attention_heads)]),
+    query = "linear_q_up_proj" if model.q_lora_rank is not None else "linear_q_proj"
+    return {query: torch.cat([h * (nope + rope) + head for h in range(model.num_attention_heads)]),
             "linear_kv_down_proj": torch.cat([torch.arange(model.kv_lora_rank), model.kv_lora_rank + pairs])}
 
 
