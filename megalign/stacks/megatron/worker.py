@@ -81,6 +81,7 @@ def _run(spec: RunSpec, rank: int) -> None:
         from megalign.stacks.hf.checkpoint import megatron_weights, open_checkpoint
         from megalign.stacks.shard import from_full
 
+        # MEGALIGN_FAULT=parameters-only plants a loader that sets only parameters: DeepSeek-V3's expert bias stays zero.
         load_weights(model, spec.model, _planted_weights(from_full(megatron_weights(open_checkpoint(Path(spec.hf))))),
                      buffers=os.environ.get("MEGALIGN_FAULT") != "parameters-only")
     else:
@@ -196,9 +197,7 @@ def _rows_read(rank: int, dp_rank: int) -> int:
 
 
 def _planted_weights(weights):
-    """(MEGALIGN_FAULT=parameters-only, read where the weights are loaded, loads a checkpoint's parameters
-    and not its buffers: DeepSeek-V3's expert bias stays zero.)
-    MEGALIGN_FAULT=perturb-router@L adds noise to layer L's router, enough to send some tokens to
+    """MEGALIGN_FAULT=perturb-router@L adds noise to layer L's router, enough to send some tokens to
     other experts: how the tests plant a routing flip in seeded or loaded weights alike."""
     import torch
 
