@@ -33,6 +33,9 @@ class Rule:
     # "output": the HF module's output; "input": its first input (forward pre-hook), for computations
     # that are a module in one stack and a bare function in the other.
     on: str = "output"
+    layers: str = "all"  # "dense" or "moe": a rule of only the dense or only the MoE layers (moe_layer_freq)
+    # Buffers loaded with the weights, (megatron's name, HF's) under the modules': no gradient, no output.
+    buffers: tuple[tuple[str, str], ...] = ()
 
     def expand(self, layer: int, expert: int = 0) -> "Rule":
         return replace(self, megatron=self.megatron.format(i=layer, e=expert),
@@ -125,13 +128,54 @@ QWEN3_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="d
 MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 
 
+def _deepseek_v3_rules(q_lora: bool) -> tuple[Rule, ...]:
+    """Multi-latent attention, then the dense MLP in the first first_k_dense_replace layers and in the
+    others the MoE block: its router (with the score-correction bias, a buffer), routed experts and
+    shared experts. `q_lora`: q_lora_rank set (q_a_proj, q_a_layernorm, q_b_proj), else one q_proj."""
+    attn, sa = f"{_L}.self_attn", f"{_M}.self_attention"
+    query = (Rule(f"{sa}.linear_q_down_proj", (f"{attn}.q_a_proj",)),
+             Rule(f"{sa}.q_layernorm", (f"{attn}.q_a_layernorm",)),
+             Rule(f"{sa}.linear_q_up_proj", (f"{attn}.q_b_proj",))) if q_lora else \
+        (Rule(f"{sa}.linear_q_proj", (f"{attn}.q_proj",)),)
+    llama = {rule.megatron: rule for rule in _decoder_rules()}
+    dense = [replace(llama[name], layers="dense") for name in
+             (f"{_M}.mlp.linear_fc1", f"{_M}.mlp.linear_fc2#input", f"{_M}.mlp.linear_fc2")]
+    router, *experts = DEEPSEEK_V3_EXPERTS.rules()
+    moe, shared = f"{_L}.mlp", f"{_M}.mlp.shared_experts"
+    sparse = [replace(router, buffers=(("expert_bias", "e_score_correction_bias"),)), *experts,
+              Rule(f"{shared}.linear_fc1", (f"{moe}.shared_experts.gate_proj", f"{moe}.shared_experts.up_proj"),
+                   join="cat"),
+              Rule(f"{shared}.linear_fc2", (f"{moe}.shared_experts.down_proj",)),
+              Rule(shared, (f"{moe}.shared_experts",), params=False)]
+    return (
+        llama["embedding.word_embeddings"], llama[f"{_M}.input_layernorm"], *query,
+        Rule(f"{sa}.linear_kv_down_proj", (f"{attn}.kv_a_proj_with_mqa",)),
+        Rule(f"{sa}.kv_layernorm", (f"{attn}.kv_a_layernorm",)),
+        Rule(f"{sa}.linear_kv_up_proj", (f"{attn}.kv_b_proj",)),
+        *(llama[name] for name in (f"{sa}.core_attention", f"{sa}.linear_proj", sa, f"{_M}.pre_mlp_layernorm")),
+        *dense, *(replace(rule, layers="moe") for rule in sparse),
+        *(llama[name] for name in (f"{_M}.mlp", _M, "decoder.final_layernorm", "output_layer")),
+    )
+
+
+DEEPSEEK_V3_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+
+
 @dataclass(frozen=True)
 class Family:
     model_type: str  # config.json's model_type
     architecture: str  # config.json's architectures[0]
-    rules: tuple[Rule, ...]
+    # The table, or a function of the model giving it where the modules depend on the config.
+    rules: tuple[Rule, ...] | Callable[[ModelConfig], tuple[Rule, ...]]
     config: Callable[[dict, str], dict] = field(repr=False)  # family-specific ModelConfig fields
     experts: Optional[Experts] = None  # MoE families
+    # config.json, ModelConfig -> {a megatron module's last name: the order of its HF rows}, where megatron
+    # reads a weight's rows in another order than the checkpoint lays them out (namemap.py applies it).
+    row_orders: Callable[[dict, ModelConfig], dict[str, torch.Tensor]] = field(default=lambda raw, model: {},
+                                                                                repr=False)
+
+    def rules_of(self, model: ModelConfig) -> tuple[Rule, ...]:
+        return self.rules(model) if callable(self.rules) else self.rules
 
 
 def _llama(raw: dict, source: str) -> dict:
@@ -169,6 +213,61 @@ def _mixtral(raw: dict, source: str) -> dict:
     return {**_llama(raw, source), **_moe(raw, source, ffn="intermediate_size")}
 
 
+def _deepseek_v3(raw: dict, source: str) -> dict:
+    """MLA and DeepSeek's MoE: sigmoid scores, the score-correction bias choosing (not weighting) the experts,
+    group-limited top-k, shared experts, the first first_k_dense_replace layers dense."""
+    try:
+        return _deepseek_v3_fields(raw, source)
+    except KeyError as e:
+        raise UserError(f"{source}: config.json has no {e.args[0]!r}") from None
+
+
+def _deepseek_v3_fields(raw: dict, source: str) -> dict:
+    if raw.get("quantization_config"):
+        # DeepSeek-V3's published weights are FP8 blocks with weight_scale_inv beside them: read as they are,
+        # they would be compared as numbers they are not.
+        raise UserError(f"{source}: quantized weights ({raw['quantization_config'].get('quant_method', '?')}) are "
+                        "not read; dequantise to bf16 or fp32 first")
+    if raw.get("attention_bias"):
+        raise UserError(f"{source}: attention_bias=true biases the MLA projections, which the mapping cannot express")
+    if not raw.get("norm_topk_prob", True):
+        raise UserError(f"{source}: norm_topk_prob=false with sigmoid scores: megatron always renormalises the "
+                        "chosen experts' weights")
+    topk, groups, group_topk = raw["num_experts_per_tok"], raw.get("n_group") or 1, raw.get("topk_group") or 1
+    if groups > 1 and topk // group_topk != 2:
+        raise UserError(f"{source}: group-limited routing with num_experts_per_tok // topk_group = "
+                        f"{topk} // {group_topk} != 2: transformers ranks groups by their top 2 scores, megatron "
+                        f"by their top {topk // group_topk}")
+    layers, dense = raw["num_hidden_layers"], raw.get("first_k_dense_replace", 0)
+    return {**_moe({**raw, "num_local_experts": raw.get("n_routed_experts")}, source, ffn="moe_intermediate_size"),
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_topk_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+            "moe_shared_expert_intermediate_size": raw["moe_intermediate_size"] * raw.get("n_shared_experts", 1)
+            if raw.get("n_shared_experts") else None,
+            **({"moe_router_num_groups": groups, "moe_router_group_topk": group_topk} if groups > 1 else {}),
+            "moe_layer_freq": [0] * min(dense, layers) + [1] * max(layers - dense, 0),
+            "num_query_groups": raw["num_attention_heads"], "kv_channels": raw["v_head_dim"],
+            "multi_latent_attention": True, "q_lora_rank": raw.get("q_lora_rank"),
+            "kv_lora_rank": raw["kv_lora_rank"], "qk_head_dim": raw["qk_nope_head_dim"],
+            "qk_pos_emb_head_dim": raw["qk_rope_head_dim"], "v_head_dim": raw["v_head_dim"],
+            "qk_layernorm": True}
+
+
+def _mla_rope_rows(raw: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """megatron's MLA always reads the rope part of the query and key as interleaved pairs (x0, x1), (x2, x3)...
+    and de-interleaves them; with rope_interleave=false transformers rotates the halves (x_i, x_{i+d/2}). The
+    rope rows of q_b_proj (or q_proj; per head) and kv_a_proj_with_mqa are interleaved so that megatron computes
+    the same."""
+    if raw.get("rope_interleave", True):
+        return {}
+    rope, nope = model.qk_pos_emb_head_dim, model.qk_head_dim
+    pairs = torch.arange(rope).view(2, -1).t().flatten()  # 0, d/2, 1, d/2 + 1, ...
+    head = torch.cat([torch.arange(nope), nope + pairs])
+    query = "linear_q_up_proj" if model.q_lora_rank is not None else "linear_q_proj"
+    return {query: torch.cat([h * (nope + rope) + head for h in range(model.num_attention_heads)]),
+            "linear_kv_down_proj": torch.cat([torch.arange(model.kv_lora_rank), model.kv_lora_rank + pairs])}
+
+
 def _moe(raw: dict, source: str, ffn: str) -> dict:
     # transformers 5 writes num_local_experts for every family; Qwen3-MoE checkpoints on the hub num_experts.
     experts = raw.get("num_local_experts") or raw.get("num_experts")
@@ -194,6 +293,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts=QWEN3_MOE_EXPERTS),
     Family("mixtral", "MixtralForCausalLM", _decoder_rules(experts=MIXTRAL_EXPERTS), _mixtral,
            experts=MIXTRAL_EXPERTS),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", lambda model: _deepseek_v3_rules(model.q_lora_rank is not None),
+           _deepseek_v3,
+           experts=DEEPSEEK_V3_EXPERTS, row_orders=_mla_rope_rows),
 )}
 
 
