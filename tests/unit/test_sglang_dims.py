@@ -75,5 +75,5 @@ def test_a_missing_rank_and_an_unknown_axis_are_refused():
     del shards[3]
     with pytest.raises(Unassemblable, match=r"has 3 of the 4 shards its split \(2 CP x 2 TP\) makes"):
         assembled("s[cp:zigzag] h[tp]", shards)
-    with pytest.raises(ValueError, match="axis 'ep' is not supported"):
-        parse_dims("s h[ep]")
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        parse_dims("s h[xp]")
