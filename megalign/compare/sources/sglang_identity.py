@@ -46,18 +46,11 @@ def recomputed(fields: dict) -> bool:
 def naming_tags(files: list[tuple[str, Tags]]) -> dict[str, frozenset[str]]:
     """For each dumped name, the tags that tell its tensors apart: those it takes several values of
     (absent counts as a value) among `files` ((name, tags) of every file)."""
-    values: dict[str, dict[str, set]] = defaultdict(lambda: defaultdict(set))
-    counts: dict[str, int] = defaultdict(int)
+    by_name: dict[str, list[dict[str, str]]] = defaultdict(list)
     for name, tags in files:
-        counts[name] += 1
-        for key, value in tags:
-            values[name][key].add(value)
-    present: dict[tuple[str, str], int] = defaultdict(int)
-    for name, tags in files:
-        for key, _ in tags:
-            present[(name, key)] += 1
-    return {name: frozenset(key for key, seen in values[name].items()
-                            if len(seen) > 1 or present[(name, key)] != counts[name]) for name in counts}
+        by_name[name].append(dict(tags))
+    return {name: frozenset(key for key in set().union(*found) if len({tags.get(key) for tags in found}) > 1)
+            for name, found in by_name.items()}
 
 
 def tagged(name: str, tags: Tags, naming: frozenset[str]) -> str:
