@@ -11,7 +11,7 @@ import torch
 from megalign.compare.entries import Value
 from megalign.compare.plan import Holder, Unassemblable, place
 from megalign.compare.reassemble import execute, in_memory
-from megalign.compare.sources.sglang_dims import parse_dims, rank_coords, sharded
+from megalign.compare.sources.sglang_dims import non_empty, parse_dims, rank_coords, sharded
 from megalign.dump.layout import cp_positions
 
 WHOLE = torch.arange(16 * 6, dtype=torch.float32).reshape(16, 6)  # s h
@@ -75,5 +75,27 @@ def test_a_missing_rank_and_an_unknown_axis_are_refused():
     del shards[3]
     with pytest.raises(Unassemblable, match=r"has 3 of the 4 shards its split \(2 CP x 2 TP\) makes"):
         assembled("s[cp:zigzag] h[tp]", shards)
-    with pytest.raises(ValueError, match="axis 'ep' is not supported"):
-        parse_dims("s h[ep]")
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        parse_dims("s h[xp]")
+
+
+def test_the_hash_section_reads_as_sglangs_comparator_reads_it():
+    dims = parse_dims("t h[attn_tp] # dp:=attn_dp ep:replicated")
+    assert dims.dp_axis == "attn_dp" and dims.replicated == {"ep"} and dims.ndim == 2
+    assert parse_dims("t h").dp_axis == "dp"
+    for bad, message in [("t h # tp:replicatd", "'tp:replicatd' after '#' is neither"),
+                         ("t h # dp:=attn_dp dp:=moe_dp", "or says it again"),
+                         ("t h # xp:replicated", "unknown axis 'xp'"),
+                         ("t h[tp] # tp:replicated", "tp declared both sharded and replicated"),
+                         ("t h[tp,tp]", "an axis named twice")]:
+        with pytest.raises(ValueError, match=message):
+            parse_dims(bad)
+
+
+def test_only_the_dp_rank_that_holds_the_tensor_is_kept_beside_idle_ones():
+    dims = parse_dims("t h # dp:=attn_dp")
+    infos = [{"attn_dp_rank": r, "attn_dp_size": 2, "tp_rank": t, "tp_size": 2} for r in range(2) for t in range(2)]
+    assert non_empty(dims, infos, [(4, 6), (4, 6), (0, 6), (0, 6)]) == [0, 1]
+    assert non_empty(dims, infos, [(4, 6)] * 4) == [0, 1, 2, 3]  # every DP rank holds it: replicas
+    with pytest.raises(ValueError, match="2 of its attn_dp ranks hold it"):
+        non_empty(dims, [{"attn_dp_rank": r, "attn_dp_size": 3} for r in range(3)], [(4, 6), (4, 6), (0, 6)])

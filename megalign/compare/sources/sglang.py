@@ -10,7 +10,9 @@ dump_index (one folder per rank): the order of the tensors is not recorded, and 
 Names map onto megalign's kinds: `grad__param__X` is the parameter gradient of X (dump_model),
 `grad__X` the activation gradient of X, `non_intrusive__M.output` the output of module M (hook
 mode), `input_ids` the tokens; anything else is an activation. With several steps, names get a
-`stepS/` prefix; a name dumped again in one step gets `@1`, `@2`, ...
+`stepS/` prefix; a name dumped again in one step gets `@1`, `@2`, ... Tags dumped beside a name
+(`layer_id=3`) that tell its tensors apart join the name, and a recomputed copy is checked against
+its original (sglang_identity.py).
 
 A tensor dumped by several ranks is put back together from its `dims` (e.g. `s[cp:zigzag] b h[tp]`)
 and each rank's `megatron_parallel_info` / `sglang_parallel_info`, which sglang_dims.py translates
@@ -38,8 +40,10 @@ from megalign.compare.entries import Entry, Source, Value, phase
 from megalign.compare.plan import Holder, place
 from megalign.compare.reassemble import execute, in_memory
 from megalign.compare.sources.plain import is_regular, load_pt, tensor_files, tensor_value
-from megalign.compare.sources.sglang_dims import (Sharded, parallel_info, parse_dims, rank_coords, sharded,
-                                                  split_on)
+from megalign.compare.sources.sglang_dims import (Sharded, non_empty, parallel_info, parse_dims, rank_coords,
+                                                  sharded, split_on)
+from megalign.compare.sources.sglang_identity import (Tags, checked_against_recompute, naming_tags, recomputed,
+                                                      tagged, tags_of)
 from megalign.compare.steps import step_name
 from megalign.dump.format import Kind, layer_of, repeat_name
 from megalign.dump.megatron_params import gated_linear, tp_dim_by_name
@@ -62,6 +66,8 @@ class _File:
     meta: dict
     shape: tuple[int, ...]
     dtype: torch.dtype
+    tags: Tags = ()
+    recomputed: bool = False
 
 
 def parse_filename(path: Path) -> Optional[dict]:
@@ -146,16 +152,20 @@ def open_sglang(path: Path, folder: Path) -> Source:
             continue
         files.append(_File(path=file, step=fields["step"], rank=fields["rank"], dump_index=fields["dump_index"],
                            name=fields["name"], meta=meta or _tags(fields), shape=tuple(value.shape),
-                           dtype=value.dtype))
+                           dtype=value.dtype, tags=tags_of(fields), recomputed=recomputed(fields)))
+        _check_dims(files[-1])
     several_steps = len({f.step for f in files}) > 1
     groups: dict[tuple[str, str], list[_File]] = {}
     seen: dict[tuple, int] = defaultdict(int)
+    naming = naming_tags([(f.name, f.tags) for f in files])
     for file in sorted(files, key=lambda f: (f.rank, f.dump_index)):
         kind, name = logical_name(file.name)
+        name = tagged(name, file.tags, naming[file.name])
         if several_steps:
             name = step_name(file.step, name)
-        repeat = seen[(file.rank, kind, name)]
-        seen[(file.rank, kind, name)] += 1
+        # A recomputed copy is counted apart: it joins its original's group (sglang_identity.py).
+        repeat = seen[(file.rank, kind, name, file.recomputed)]
+        seen[(file.rank, kind, name, file.recomputed)] += 1
         groups.setdefault((kind, repeat_name(name, repeat)), []).append(file)
     entries = []
     for (kind, name), group in groups.items():
@@ -166,7 +176,7 @@ def open_sglang(path: Path, folder: Path) -> Source:
             fc2 = groups.get((kind, _FC1.sub("linear_fc2.weight", name)), [])
             load = partial(_param_grad, group, name.rpartition("/")[2], fc2)
         else:
-            load = partial(_loss if kind == Kind.LOSS else _reassemble, group)
+            load = partial(_with_recompute, group, _loss if kind == Kind.LOSS else _reassemble)
         entries.append(Entry(kind=kind, name=name, order=(phase(kind), 0, first.dump_index),
                              layer=layer if isinstance(layer, int) else layer_of(name), load=load))
     ranks = len({f.rank for f in files})
@@ -186,6 +196,26 @@ def unwrap(content) -> tuple[object, dict]:
 def _tags(fields: dict) -> dict:
     """The meta of an earlier dumper's file, which saved the bare tensor: its name's tags (layer_id=3 ...)."""
     return {key: int(value) if value.isdigit() else value for key, value in fields.items() if isinstance(value, str)}
+
+
+def _check_dims(file: _File) -> None:
+    """Dims that break sglang's grammar (an unknown axis or word after `#`, a typo) are bad input."""
+    dims = _dims(file)
+    if dims is not None:
+        try:
+            parse_dims(dims)
+        except ValueError as e:
+            raise UserError(f"{file.path}: dims {dims!r}: {e}") from None
+
+
+def _with_recompute(files: list[_File], load) -> Value:
+    """The tensor as `load` puts it together from the original files, its recomputed copy (if any)
+    checked against it."""
+    original = [f for f in files if not f.recomputed]
+    copy = [f for f in files if f.recomputed]
+    if not original or not copy:
+        return load(files)
+    return checked_against_recompute(load(original), load(copy))
 
 
 def _load(file: _File) -> torch.Tensor:
@@ -254,6 +284,10 @@ def _reassemble(files: list[_File]) -> Value:
         if any(len(f.shape) != parsed.ndim for f in files):
             raise ValueError(f"dims {dims!r} do not match the tensor's {len(files[0].shape)} dims")
         infos = [parallel_info(f.meta) for f in files]
+        kept = non_empty(parsed, infos, [f.shape for f in files])
+        if len(kept) == 1:
+            return tensor_value(_load(files[kept[0]]))
+        files, infos = [files[i] for i in kept], [infos[i] for i in kept]
         return _assembled(files, infos, sharded(parsed, infos))
     except (ValueError, RuntimeError) as e:  # foreign dims or parallel info, or shards that do not fit (Unassemblable)
         return Value(shape=[], dtype="?", problem=f"cannot reassemble from dims: {type(e).__name__}: {e}")

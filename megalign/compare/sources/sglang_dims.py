@@ -4,8 +4,11 @@ A dims string names each dim of a tensor and, in brackets, the axes it is sharde
 first: `s[cp:zigzag,sp] b h[tp]` is split over CP (in its load-balanced zigzag order) and, within
 each CP rank's piece, over SP; h over TP. A qualifier says how: `zigzag` (CP's order), `natural` and
 `sharded` (plain), `partial` (not split: each rank holds a part of the sum). After `#` come
-declarations (`tp:replicated`, `dp:=moe_dp`): ranks that differ only on axes the dims do not shard
-hold replicas, declared or not, so nothing here needs them.
+declarations, as sglang's comparator reads them (dims_spec/comment_parser.py): `tp:replicated`
+(ranks that differ only on axes the dims do not shard hold replicas, declared or not, so this only
+has to name a known axis not also sharded), and `dp:=attn_dp`: the axis whose ranks are data
+parallel, of which one holds the tensor and the others (idle) an empty one (`dp` when not said).
+Any other word there is refused, as sglang refuses it.
 
 A rank's place on an axis is read from its parallel info (`sglang_parallel_info`, or the
 `megatron_parallel_info` of a training run) as `{key}_rank` and `{key}_size`, by the axis's row in
@@ -14,6 +17,7 @@ AXES; an axis no rank records, or of size 1, splits nothing. Adding an axis is a
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -22,18 +26,31 @@ from megalign.compare.plan import Split
 from megalign.dump.format import RankCoords
 
 # Each axis: the parallel-info keys its rank and size are read under, the first one found.
+# sglang's comparator's axes (dims_spec/types.py ParallelAxis), and attn_cp, which its server records.
 AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",),
     "cp": ("cp",),
+    "ep": ("ep",),  # megatron's expert parallelism
     "sp": ("sp", "tp"),  # megatron's sequence parallelism reuses the TP group, and records no sp_rank
+    "dp": ("dp",),
+    "etp": ("etp",),  # experts' tensor parallelism (parameter gradients named by megatron, sglang.py)
+    "edp": ("edp",),
     "attn_tp": ("attn_tp",),
     "attn_cp": ("attn_cp",),
-    "etp": ("etp",),  # experts' tensor parallelism (parameter gradients named by megatron, sglang.py)
+    "attn_dp": ("attn_dp",),
+    "moe_ep": ("moe_ep",),  # sglang's expert parallelism
+    "moe_tp": ("moe_tp",),
+    "moe_dp": ("moe_dp",),
+    # The dumper's recompute status, recorded beside the parallel info, not in it: here it splits
+    # nothing (a recomputed copy is checked against the original, sources/sglang_identity.py).
+    "recompute_pseudo": ("recompute_pseudo",),
 }
 # Each qualifier: (zigzag order, partial sum).
 QUALIFIERS: dict[str, tuple[bool, bool]] = {
     "sharded": (False, False), "natural": (False, False), "zigzag": (True, False), "partial": (False, True)}
 _TOKEN = re.compile(r"^(?P<name>[^\[\]]+)(?:\[(?P<mods>[^\]]+)\])?$")
+_DP_ALIAS = re.compile(r"^dp:=(\w+)$")
+_REPLICATED = re.compile(r"^(\w+):replicated$")
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,8 @@ class Dims:
 
     ndim: int
     modifiers: tuple[Modifier, ...]
+    dp_axis: str = "dp"  # `# dp:=X`: the axis of the data-parallel ranks, one of which holds the tensor
+    replicated: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -70,23 +89,71 @@ class Sharded:
 
 
 def parse_dims(dims: str) -> Dims:
-    """ValueError for a token, axis or qualifier this reader does not know."""
-    tokens = dims.split("#")[0].split()
+    """ValueError for a token, axis, qualifier or declaration this reader does not know."""
+    shape, _, declarations = dims.partition("#")
+    tokens = shape.split()
     modifiers = []
     for index, token in enumerate(tokens):
         match = _TOKEN.match(token)
         if match is None:
             raise ValueError(f"bad dim {token!r}")
+        axes = []
         for modifier in reversed(match.group("mods").split(",") if match.group("mods") else []):
             axis, _, qualifiers = modifier.strip().partition(":")
-            if axis not in AXES:
-                raise ValueError(f"axis {axis!r} is not supported (only {', '.join(AXES)})")
-            how = [QUALIFIERS.get(q) for q in qualifiers.split("+") if q]
+            _known(axis, modifier)
+            how = [QUALIFIERS.get(q.strip()) for q in qualifiers.split("+") if q.strip()]
             if None in how:
                 raise ValueError(f"unknown qualifier in {modifier!r}")
+            axes.append(axis)
             modifiers.append(Modifier(dim=index, axis=axis, zigzag=any(z for z, _ in how),
                                       partial=any(p for _, p in how)))
-    return Dims(ndim=len(tokens), modifiers=tuple(modifiers))
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"an axis named twice in {token!r}")
+    dp_axis, replicated = _declarations(declarations)
+    both = replicated & {m.axis for m in modifiers}
+    if both:
+        raise ValueError(f"axes {', '.join(sorted(both))} declared both sharded and replicated")
+    return Dims(ndim=len(tokens), modifiers=tuple(modifiers), dp_axis=dp_axis, replicated=replicated)
+
+
+def _known(axis: str, where: str) -> None:
+    if axis not in AXES:
+        raise ValueError(f"unknown axis {axis!r} in {where!r} (sglang's axes: {', '.join(AXES)})")
+
+
+def _declarations(text: str) -> tuple[str, frozenset[str]]:
+    """The `#` section: (the data-parallel axis, the axes declared replicated)."""
+    dp_axis, replicated = None, set()
+    for word in text.split():
+        alias, axis = _DP_ALIAS.match(word), _REPLICATED.match(word)
+        if alias and dp_axis is None:
+            _known(alias.group(1), word)
+            dp_axis = alias.group(1)
+        elif axis and axis.group(1) not in replicated:
+            _known(axis.group(1), word)
+            replicated.add(axis.group(1))
+        else:
+            raise ValueError(f"{word!r} after '#' is neither 'dp:=<axis>' nor '<axis>:replicated', "
+                             "or says it again")
+    return dp_axis or "dp", frozenset(replicated)
+
+
+def non_empty(dims: Dims, infos: list[dict], shapes: list[tuple[int, ...]]) -> list[int]:
+    """The ranks (indices) to put the tensor together from: under data parallelism where some DP
+    ranks (on the dims' `dp:=` axis) hold an empty tensor, as an idle sglang DP rank does, those of
+    the one DP rank that holds it (sglang's dp_utils); every rank otherwise, where DP ranks hold replicas."""
+    if axis_size(infos, dims.dp_axis) == 1:
+        return list(range(len(infos)))
+    held: dict[int, list[int]] = {}
+    for index, (info, shape) in enumerate(zip(infos, shapes)):
+        held.setdefault(place(info, dims.dp_axis)[0], []).append(index)
+    full = [rank for rank, indices in held.items() if any(math.prod(shapes[i]) for i in indices)]
+    if len(full) in (0, len(held)):
+        return list(range(len(infos)))
+    if len(full) != 1:
+        raise ValueError(f"{len(full)} of its {dims.dp_axis} ranks hold it and others an empty tensor: "
+                         "one should hold it")
+    return held[full[0]]
 
 
 def sharded(dims: Dims, infos: list[dict]) -> Sharded:
