@@ -185,8 +185,8 @@ def test_the_first_divergence_follows_the_computation_a_clip_bug_at_its_gradient
     clipped_loop(tmp_path / "b", clip_part=True)
     result = invoke("compare", tmp_path / "a", tmp_path / "b")
     assert result.exit_code == 1, result.output
-    assert "first divergence: param_grad step0/0.weight\n" in result.output
-    assert "first failure per kind: param_grad step0/0.weight; param step1/0.bias;" in result.output
+    assert "first divergence: param_grad step0/0.weight#stepped\n" in result.output
+    assert "first failure per kind: param_grad step0/0.weight#stepped; param step1/0.bias;" in result.output
     rows = [line.split()[:3] for line in result.output.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
     for step in ("step0/", "step1/"):
         kinds = [kind for _, kind, name in rows if name.startswith(step)]
