@@ -22,6 +22,7 @@ from megalign.compare.objective import on_objective_scale
 from megalign.compare.matching import Pair, match_entries
 from megalign.compare.records import NOT_REASSEMBLABLE, SKIPPED, Allowances, Report, Row, Summary
 from megalign.compare.reference import check_reference
+from megalign.compare.sources.sglang_dims_lineup import line_up_dims
 from megalign.compare.steps import share_steps
 from megalign.compare.thresholds import Thresholds
 from megalign.errors import UserError, compile_pattern
@@ -41,6 +42,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
     a, b, reference = share_steps(a, b, reference)  # a training loop's dumps: the steps all hold
     a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
+    a, b = line_up_dims(a, b)  # sglang dims fused, squeezed or ordered differently: one shape by their names
     a, b, reference = on_objective_scale(a, b, reference)  # activation gradients: by each run's reduction
     pattern, skippable, missable = (compile_pattern(option, value) if value else None for option, value in
                                     (("--filter", name_filter), ("--allow-skipped", allow_skipped),
