@@ -6,6 +6,7 @@ megatron's THD forward. Each correct pair passes, and each with one rank's shard
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,15 @@ def test_seq_lens_are_new_tokens_only_where_they_add_up_to_the_pass():
     assert new_tokens([1, 1], 2) == [1, 1]
     assert new_tokens([9, 7], 2) is None
     assert new_tokens([7, 5], 3) is None  # a mixed pass: a decodes, b extends after its cached prefix
+
+
+def test_thd_zigzag_without_the_sequences_bounds_is_not_reassemblable(forms, tmp_path):
+    """Undoing the zigzag over the whole row would misplace every token: without cu_seqlens_q (as sglang's
+    comparator, which refuses it) the tensor is not put together, and the run fails saying why."""
+    a, b = written(forms, "thd_zigzag", planted=False)
+    b = shutil.copytree(b, tmp_path / "b")
+    for file in b.glob("*name=cu_seqlens_q*"):
+        file.unlink()
+    result, rows, _ = compare(tmp_path, a, b)
+    assert result.exit_code == 1 and rows["attn"]["status"] == "not_reassemblable", result.output
+    assert "the step records no cu_seqlens_q" in result.output

@@ -273,10 +273,9 @@ def _reassemble(files: list[_File], bounds: Optional[list[int]] = None) -> Value
             raise ValueError(f"dims {dims!r} do not match the tensor's {len(files[0].shape)} dims")
         infos = [parallel_info(f.meta) for f in files]
         split = sharded(parsed, infos)
-        token_dim = zigzag_on_tokens(dims)
+        zigzag = zigzag_on_tokens(dims)
         cp = next((s.size for s in split.splits if s.zigzag), 1)
-        packed = None if token_dim is None or cp == 1 else \
-            sequence_bounds(bounds, files[0].shape[token_dim] * cp, cp)
+        packed = None if zigzag is None or cp == 1 else sequence_bounds(bounds, files[0].shape[zigzag] * cp, cp)
         return _assembled(files, infos, split, packed)
     except (ValueError, RuntimeError) as e:  # foreign dims or parallel info, or shards that do not fit (Unassemblable)
         return Value(shape=[], dtype="?", problem=f"cannot reassemble from dims: {type(e).__name__}: {e}")
