@@ -96,6 +96,12 @@ class Entry:
     # Dump.shards() (opened.py) and --explain; typed loosely so that this module and plan.py need not import
     # each other.
     shards: Optional[list] = None
+    # sglang dumps: the dims string it was dumped with, whose names line it up with the other side's
+    # (sources/sglang_dims_lineup.py).
+    dims: Optional[str] = None
+    # Its seq_dim holds the batch's one packed row, with no batch dim (sglang's THD `t`): lined up as
+    # that row (lineup.py).
+    packed: bool = False
 
 
 @dataclass

@@ -3,7 +3,8 @@
 When the sources' rows differ, every token tensor (one with a batch dim and a sequence dim) is
 mapped to its real tokens, document by document in order: [tokens, ...]. Both sides then hold the
 same tokens in the same order, whatever the packing and the padding, and compare as usual. A tensor
-with a sequence dim and no batch dim (the RoPE table: positions, not tokens) cannot be mapped; it
+with a sequence dim and no batch dim (the RoPE table: positions, not tokens) cannot be mapped, but for
+one that holds the batch's one packed row (Entry.packed: an sglang THD `t` dim); it
 is set apart, with the reason, instead of failing as a shape mismatch; so is one with a batch dim
 that holds the rows' length on a dim not recorded as its sequence dim (or on a second dim beside
 it). A dump of several steps may hold each step's rows (a Dumper's step_rows, dynamic padding):
@@ -79,6 +80,14 @@ def _line_up(entry: Entry, rows: list[BatchRow], sides: list[tuple[list[BatchRow
     """The entry mapped to its real tokens, or set apart; `sides`: every side's (rows, entry) of it."""
     if entry.batch_dim is not None and _positions(entry, sides):
         return replace(entry, apart=APART_UNNAMED)
+    if entry.packed and len(rows) == 1:
+        def load() -> Value:
+            value = entry.load()
+            if value.tensor is not None and not value.problem:
+                value = replace(value, tensor=value.tensor[None], shape=[1, *value.shape])
+            return real_tokens(value, 0, entry.seq_dim + 1, rows)
+
+        return replace(entry, load=load, shape=None, nbytes=None)
     if entry.batch_dim is not None and entry.seq_dim is not None:
         def load() -> Value:
             return real_tokens(entry.load(), entry.batch_dim, entry.seq_dim, rows)

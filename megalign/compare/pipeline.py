@@ -28,6 +28,7 @@ from megalign.compare.reference import check_reference
 from megalign.compare.rollout_findings import RolloutFindings, find
 from megalign.compare.rollout_pair import RolloutPair, open_pair
 from megalign.compare.sources import open_source
+from megalign.compare.sources.sglang_dims_lineup import line_up_dims
 from megalign.compare.steps import share_steps
 from megalign.compare.thresholds import Thresholds
 from megalign.dump.format import Kind
@@ -75,6 +76,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
     `strict_nonfinite`: NaN/Inf at the same positions on both sides fail too."""
     a, b, reference = share_steps(a, b, reference)  # a training loop's dumps: the steps all hold
     a, b, reference = line_up(a, b, reference)  # packed and padded batches: compared token by token
+    a, b = line_up_dims(a, b)  # sglang dims fused, squeezed or ordered differently: one shape by their names
     a, b, reference = on_objective_scale(a, b, reference)  # activation gradients: by each run's reduction
     pattern, skippable, missable = (compile_pattern(option, value) if value else None for option, value in
                                     (("--filter", name_filter), ("--allow-skipped", allow_skipped),

@@ -53,6 +53,18 @@ def test_cp4_forward_matches_cp1(dump):
     assert not any(kind in ("param_grad", "activation_grad") for kind, _ in diffs)
 
 
+def test_forward_of_a_tokens_file_with_a_config_matches_cp1(dump, tmp_path_factory):
+    """README's `megalign forward --cp 2 --config configs/tiny.yaml --tokens tokens.json`: the file's
+    tokens, run at CP=2, agree with one rank."""
+    tokens = tmp_path_factory.mktemp("tokens") / "tokens.json"
+    sequences = [[5, 7, 11, 13, 17, 19, 23, 29], [2, 3, 5, 8, 13, 21, 34, 55]]
+    tokens.write_text(json.dumps(sequences))
+    args = ("forward", "--config", "configs/tiny.yaml", "--tokens", str(tokens))
+    cp2 = dump(*args, "--cp", "2")
+    assert_agree(dump(*args, "--cp", "1"), cp2)
+    assert tensors(cp2)["input", "tokens"].tolist() == sequences
+
+
 def test_tp2_cp2_backward_matches_single_rank(dump):
     """TP-sharded parameter gradients (column, row, vocab and fused SwiGLU) are reassembled and compared."""
     diffs = assert_agree(dump("backward", "--cp", "1"), dump("backward", "--tp", "2", "--cp", "2"))

@@ -44,6 +44,8 @@ from megalign.compare.sources.sglang_dims import (Sharded, non_empty, parallel_i
                                                   sharded, split_on)
 from megalign.compare.sources.sglang_identity import (Tags, checked_against_recompute, naming_tags, recomputed,
                                                       tagged, tags_of)
+from megalign.compare.sources.sglang_thd import (BOUNDS, PACKING, packed_row, sequence_bounds, token_dim,
+                                                 zigzag_on_tokens)
 from megalign.compare.steps import step_name
 from megalign.dump.format import Kind, layer_of, repeat_name
 from megalign.dump.megatron_params import gated_linear, tp_dim_by_name
@@ -155,10 +157,14 @@ def open_sglang(path: Path, folder: Path) -> Source:
                            dtype=value.dtype, tags=tags_of(fields), recomputed=recomputed(fields)))
         _check_dims(files[-1])
     several_steps = len({f.step for f in files}) > 1
+    # Each step's packed sequences, as its lowest rank recorded them (sglang_thd.py).
+    bounds = {f.step: _load(f).tolist() for f in sorted(files, key=lambda f: -f.rank) if f.name == BOUNDS}
     groups: dict[tuple[str, str], list[_File]] = {}
     seen: dict[tuple, int] = defaultdict(int)
     naming = naming_tags([(f.name, f.tags) for f in files])
     for file in sorted(files, key=lambda f: (f.rank, f.dump_index)):
+        if file.name in PACKING:
+            continue
         kind, name = logical_name(file.name)
         name = tagged(name, file.tags, naming[file.name])
         if several_steps:
@@ -176,13 +182,24 @@ def open_sglang(path: Path, folder: Path) -> Source:
             fc2 = groups.get((kind, _FC1.sub("linear_fc2.weight", name)), [])
             load = partial(_param_grad, group, name.rpartition("/")[2], fc2)
         else:
-            load = partial(_with_recompute, group, _loss if kind == Kind.LOSS else _reassemble)
+            load = partial(_with_recompute, group,
+                           _loss if kind == Kind.LOSS else partial(_reassemble, bounds=bounds.get(first.step)))
         entries.append(Entry(kind=kind, name=name, order=(phase(kind), 0, first.dump_index),
-                             layer=layer if isinstance(layer, int) else layer_of(name), load=load))
+                             layer=layer if isinstance(layer, int) else layer_of(name), load=load,
+                             **_packing(_dims(first), bounds.get(first.step))))
     ranks = len({f.rank for f in files})
     description = f"sglang dump: {len(files)} files, {ranks} rank(s)" + (
         f", {skipped} non-tensor values ignored" if skipped else "")
     return Source(path=Path(path), format="sglang", description=description, entries=entries)
+
+
+def _packing(dims: Optional[str], bounds: Optional[list[int]]) -> dict:
+    """An entry's dims, and where they name a token dim of a step with packed sequences, that dim as its
+    step's one packed row (sglang_thd.py)."""
+    tokens = None if dims is None else token_dim(dims)
+    if tokens is None or bounds is None:
+        return {"dims": dims}
+    return {"dims": dims, "seq_dim": tokens, "packed": True, "rows": packed_row(bounds)}
 
 
 def unwrap(content) -> tuple[object, dict]:
@@ -272,7 +289,8 @@ def _loss(files: list[_File]) -> Value:
                               "parts whose reduction (a sum or a mean over ranks) the dump does not record")
 
 
-def _reassemble(files: list[_File]) -> Value:
+def _reassemble(files: list[_File], bounds: Optional[list[int]] = None) -> Value:
+    """`bounds`: the step's packed sequences' (cu_seqlens_q), where it recorded them (sglang_thd.py)."""
     if len(files) == 1:
         return tensor_value(_load(files[0]))
     dims = _dims(files[0])
@@ -288,19 +306,25 @@ def _reassemble(files: list[_File]) -> Value:
         if len(kept) == 1:
             return tensor_value(_load(files[kept[0]]))
         files, infos = [files[i] for i in kept], [infos[i] for i in kept]
-        return _assembled(files, infos, sharded(parsed, infos))
+        split = sharded(parsed, infos)
+        zigzag = zigzag_on_tokens(dims)
+        cp = next((s.size for s in split.splits if s.zigzag), 1)
+        packed = None if zigzag is None or cp == 1 else sequence_bounds(bounds, files[0].shape[zigzag] * cp, cp)
+        return _assembled(files, infos, split, packed)
     except (ValueError, RuntimeError) as e:  # foreign dims or parallel info, or shards that do not fit (Unassemblable)
         return Value(shape=[], dtype="?", problem=f"cannot reassemble from dims: {type(e).__name__}: {e}")
 
 
-def _assembled(files: list[_File], infos: list[dict], split: Sharded) -> Value:
+def _assembled(files: list[_File], infos: list[dict], split: Sharded,
+               bounds: Optional[tuple[int, ...]] = None) -> Value:
     """The tensor put together by its plan; the first rank (in rank order) of each place is placed, the
-    others are its replicas. Each shard's bytes are hashed, as megalign's run hashes them, so that a
-    bit-identical replica has no gap, as in a megalign dump."""
+    others are its replicas; `bounds`: where its zigzag split is undone sequence by sequence. Each shard's
+    bytes are hashed, as megalign's run hashes them, so that a bit-identical replica has no gap, as in a
+    megalign dump."""
     tensors = {f.rank: _load(f) for f in files}
     ordered = sorted(zip(files, infos), key=lambda pair: pair[0].rank)
     plan = place([Holder(coords=rank_coords(f.rank, info), at=split.at(info), shape=f.shape,
-                         digest=(content_hash(tensors[f.rank].contiguous()), str(f.dtype)))
+                         digest=(content_hash(tensors[f.rank].contiguous()), str(f.dtype)), bounds=bounds)
                   for f, info in ordered], split.splits, split.summed)
     first = tensors[plan.pieces[0].coords.rank]
     value = Value(shape=list(plan.shape), dtype=_dtype_name(first.dtype))

@@ -4,8 +4,10 @@ lined up by request and position into [sequence, position, ...].
 Inside a server the dumper's step is the forward pass: every pass (prefill, decode, mixed) writes,
 besides what the model code dumps, its forward batch's core fields: `input_ids` and `positions`
 (per token, the requests' tokens back to back), `seq_lens` (per request, its length so far, cached
-prefix included) and `rids` (per request, its id). The files record neither the pass's mode nor the
-prefix lengths, so requests are cut by position: request i's tokens in a pass end at the token whose
+prefix included) and `rids` (per request, its id). sglang's own comparator, and the dumps its tests
+write, read `seq_lens` as each request's new tokens in the pass instead; new_tokens tells the two apart
+by the pass's token count. The files record neither the pass's mode nor the prefix lengths, so
+lengths so far cut requests by position: request i's tokens in a pass end at the token whose
 position is seq_lens[i] - 1. A decode request gives one token, an extend request (a prefill, a chunk
 of one, or the rest after a cached prefix) its new positions; (rid, position) names each token once.
 A token met twice (a request's step dumped twice, or two requests' tokens swapped) must agree;
@@ -108,16 +110,17 @@ def open_server_dump(folder: Path, rank: int = 0) -> ServerDump:
 
 
 def _cut(folder: Path, step: int, values: dict, requests: dict[str, Request]) -> None:
-    """Give each token of one pass to its request: request i's run ends at position seq_lens[i] - 1."""
+    """Give each token of one pass to its request (new_tokens says where each request's run ends)."""
     ids, positions, lengths, rids = (values[k] for k in CORE)
     vectors = (ids, positions, lengths)
     if not (all(isinstance(v, torch.Tensor) and v.ndim == 1 and not v.is_floating_point() for v in vectors)
             and isinstance(rids, list) and ids.shape == positions.shape and len(rids) == lengths.numel()):
         raise UserError(f"{folder}: step {step}: input_ids, positions, seq_lens and rids do not fit together")
+    counts = new_tokens(lengths.tolist(), ids.numel())
     row = 0
     for index, (rid, length) in enumerate(zip(rids, lengths.tolist())):
         request = requests.setdefault(str(rid), Request(rid=str(rid)))
-        request.ends.append((step, index, length - 1))
+        end = None if counts is None else row + length
         while True:
             if row >= ids.numel():
                 raise UserError(f"{folder}: step {step}: request {rid}'s tokens end before position {length - 1}")
@@ -129,10 +132,20 @@ def _cut(folder: Path, step: int, values: dict, requests: dict[str, Request]) ->
             request.tokens[position] = token
             request.where[position] = (step, row)
             row += 1
-            if position == length - 1:
+            if row == end or (end is None and position == length - 1):
                 break
+        request.ends.append((step, index, position))
     if row != ids.numel():
         raise UserError(f"{folder}: step {step}: {ids.numel() - row} tokens after the last request's")
+
+
+def new_tokens(seq_lens: list[int], tokens: int) -> Optional[list[int]]:
+    """`seq_lens` as each request's new tokens in the pass, where they are: sglang's comparator reads them
+    so (its token aligner cuts a pass's tokens by them), a server's forward batch holds each request's
+    length so far. The dump says which: a length so far is at least the request's new tokens, so lengths
+    that add up to the pass's tokens are its new tokens under either meaning; others are lengths so far,
+    and the runs are cut where a request's position reaches its length - 1. None: lengths so far."""
+    return seq_lens if sum(seq_lens) == tokens and all(n > 0 for n in seq_lens) else None
 
 
 def fill_prefixes(dump: ServerDump) -> Optional[str]:

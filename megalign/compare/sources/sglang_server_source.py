@@ -2,11 +2,12 @@
 
 The passes are cut by request and position (sglang_server.py); every per-token tensor (one row per
 token of every pass that dumped it) is lined up as [sequence, position, ...] and named as megalign
-names it (sglang_names.py). The rows are one per request, without padding, and `tokens_only` makes
+names it (sglang_names.py); a tensor its user dumped by hand (`dumper.dump(name, ...)`, not a module
+hook's) keeps its name. The rows are one per request, without padding, and `tokens_only` makes
 compare line both sides up by their real tokens even where a megalign run's rows look the same.
 The logits processor's next-token logits (one row per request a pass, at its last token in the pass)
-are compared at those tokens only (Entry.tokens). Tensors with no megalign name are left out, and
-counted in the description.
+are compared at those tokens only (Entry.tokens). Hooked modules' tensors with no megalign name are
+left out, and counted in the description.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megalign.errors import UserError
 
 INPUTS = {"input_ids": "tokens", "positions": "position_ids"}
 FORWARD_BATCH = (*CORE, "req_pool_indices")  # the forward batch's fields that the server's dumper writes
+HOOKED = "non_intrusive__"  # the dumper's module hooks' names: sglang's module names, mapped to megalign's
 
 
 def is_server_dump(folder: Path) -> bool:
@@ -71,6 +73,8 @@ def _target(dump: ServerDump, dumped: str) -> Optional[str]:
     if dumped in FORWARD_BATCH or not _per_token(dump, dumped):
         return None
     name = logical_name(dumped)[1]
+    if not dumped.startswith(HOOKED):
+        return name  # named by the dumper.dump call that wrote it: the name its user compares
     base = name.removesuffix("#1")
     return megatron_name(base) if name == base or SUMMED.match(base) else None
 
