@@ -63,6 +63,7 @@ class ModelConfig:
     max_position_embeddings: int = 256
     position_embedding: Literal["rope", "learned_absolute"] = "rope"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's channels RoPE rotates (GLM's partial_rotary_factor)
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = True
@@ -81,6 +82,10 @@ class ModelConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "none"
     moe_aux_loss_coeff: float = 0.0
+    moe_dense_layers: int = 0  # the first N layers keep a dense MLP (HF's first_k_dense_replace)
+    moe_router_enable_expert_bias: bool = False  # the router's expert_bias buffer (HF's e_score_correction_bias)
+    moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups,
+    moe_router_group_topk: Optional[int] = None  # of which this many are kept
 
     @classmethod
     def from_yaml(cls, path: Path) -> "ModelConfig":
@@ -120,6 +125,8 @@ class ModelConfig:
                 raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
         if self.kv_channels is not None and (not is_int(self.kv_channels) or self.kv_channels <= 0):
             raise UserError(f"{source}: kv_channels must be a positive integer, got {self.kv_channels!r}")
+        if not is_number(self.rotary_percent) or not 0 < self.rotary_percent <= 1:
+            raise UserError(f"{source}: rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
         for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
             value = getattr(self, name)
             if not is_number(value) or not math.isfinite(value) or value <= 0:
@@ -162,10 +169,21 @@ class ModelConfig:
                 raise UserError(f"{source}: {name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.moe_router_pre_softmax, bool):
             raise UserError(f"{source}: moe_router_pre_softmax must be true or false")
+        if not is_int(self.moe_dense_layers) or not 0 <= self.moe_dense_layers < self.num_layers:
+            raise UserError(f"{source}: moe_dense_layers must be an integer in [0, num_layers), "
+                            f"got {self.moe_dense_layers!r}")
 
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.moe_dense_layers
+
+    @property
+    def moe_layer_freq(self) -> list[int]:
+        """megatron's moe_layer_freq as a per-layer pattern: 0 dense, 1 MoE."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     def padded_vocab_size(self, tp: int) -> int:
         """megatron splits the vocabulary evenly over TP ranks; a checkpoint's vocab need not divide."""

@@ -33,6 +33,9 @@ class Rule:
     # "output": the HF module's output; "input": its first input (forward pre-hook), for computations
     # that are a module in one stack and a bare function in the other.
     on: str = "output"
+    # Which layers hold it: "all", or "dense" / "moe" where the first layers keep a dense MLP (GLM-4.5).
+    layers: str = "all"
+    when: Optional[str] = None  # a ModelConfig flag the module exists under (GLM's use_qk_norm is optional)
 
     def expand(self, layer: int, expert: int = 0) -> "Rule":
         return replace(self, megatron=self.megatron.format(i=layer, e=expert),
@@ -61,16 +64,33 @@ class Experts:
     gate: str
     up: str
     down: str
+    # GLM-4.5's shared expert (`mlp.shared_experts`, a gate/up/down MLP): megatron's shared_experts.
+    shared: bool = False
+    # The router's bias added to the scores for the choice only (`gate.e_score_correction_bias`, a
+    # buffer): megatron's router.expert_bias buffer.
+    expert_bias: bool = False
 
     def rules(self) -> tuple[Rule, ...]:
         moe, experts = f"{_L}.{self.block}", f"{_L}.{self.block}.experts.{{e}}"
-        return (
+        shared = f"{moe}.shared_experts"
+        return tuple(replace(rule, layers="moe") for rule in (
             # Routing is written by the router's own hook (worker.py), as kind `routing`.
             Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc1", (f"{experts}.{self.gate}", f"{experts}.{self.up}"), join="cat",
                  activation=None),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc2", (f"{experts}.{self.down}",), activation=None),
-        )
+            *((Rule(f"{_M}.mlp.shared_experts.linear_fc1", (f"{shared}.gate_proj", f"{shared}.up_proj"), join="cat"),
+               Rule(f"{_M}.mlp.shared_experts.linear_fc2", (f"{shared}.down_proj",)),
+               Rule(f"{_M}.mlp.shared_experts", (shared,), params=False)) if self.shared else ()),
+        ))
+
+    def buffers(self, layer: int) -> dict[str, str]:
+        """The MoE layer's buffers a checkpoint holds: megatron name -> HF name. A loader that sets only
+        parameters would leave megatron's expert_bias at zeros, routing as if unbiased."""
+        if not self.expert_bias:
+            return {}
+        return {f"decoder.layers.{layer}.mlp.router.expert_bias":
+                f"model.layers.{layer}.{self.block}.gate.e_score_correction_bias"}
 
     def checkpoint_grads(self, name: str, grad: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         """An in-memory parameter's gradient under the checkpoint's names (the experts unfused)."""
@@ -88,27 +108,29 @@ class Experts:
 
 def _decoder_rules(qk_norm: bool = False, experts: Optional[Experts] = None) -> tuple[Rule, ...]:
     """The Llama layout, layer by layer in execution order; `qk_norm`: Qwen3's RMSNorm over head_dim
-    on each query and key head, before RoPE; `experts`: an MoE block in place of the MLP."""
-    dense_mlp = (
+    on each query and key head, before RoPE; `experts`: an MoE block in place of the MLP (in the layers
+    ModelConfig.is_moe_layer names; the dense MLP in the others)."""
+    dense_mlp = tuple(replace(rule, layers="dense") for rule in (
         Rule(f"{_M}.mlp.linear_fc1", (f"{_L}.mlp.gate_proj", f"{_L}.mlp.up_proj"), join="cat"),
         # SwiGLU's output, act(gate) * up: a bare function in both stacks, so the down projection's input.
         Rule(f"{_M}.mlp.linear_fc2#input", (f"{_L}.mlp.down_proj",), params=False, on="input"),
         Rule(f"{_M}.mlp.linear_fc2", (f"{_L}.mlp.down_proj",)),
-    )
+    ))
     return (
         # megatron's `embedding` output is the lookup made sequence-first, the layout of every layer output.
         Rule("embedding.word_embeddings", ("model.embed_tokens",), activation="embedding"),
         Rule(f"{_M}.input_layernorm", (f"{_L}.input_layernorm",)),
         Rule(f"{_M}.self_attention.linear_qkv",
              (f"{_L}.self_attn.q_proj", f"{_L}.self_attn.k_proj", f"{_L}.self_attn.v_proj"), join="qkv"),
-        *((Rule(f"{_M}.self_attention.q_layernorm", (f"{_L}.self_attn.q_norm",)),
-           Rule(f"{_M}.self_attention.k_layernorm", (f"{_L}.self_attn.k_norm",))) if qk_norm else ()),
+        *((Rule(f"{_M}.self_attention.q_layernorm", (f"{_L}.self_attn.q_norm",), when="qk_layernorm"),
+           Rule(f"{_M}.self_attention.k_layernorm", (f"{_L}.self_attn.k_norm",), when="qk_layernorm"))
+          if qk_norm else ()),
         # The attention output before the output projection: megatron's core_attention module, o_proj's input.
         Rule(f"{_M}.self_attention.core_attention", (f"{_L}.self_attn.o_proj",), params=False, on="input"),
         Rule(f"{_M}.self_attention.linear_proj", (f"{_L}.self_attn.o_proj",)),
         Rule(f"{_M}.self_attention", (f"{_L}.self_attn",), params=False),
         Rule(f"{_M}.pre_mlp_layernorm", (f"{_L}.post_attention_layernorm",)),
-        *(experts.rules() if experts else dense_mlp),
+        *(experts.rules() if experts else ()), *dense_mlp,
         # The MLP's (or MoE block's) output: `mlp` in memory in every family.
         Rule(f"{_M}.mlp", (f"{_L}.mlp",), params=False),
         Rule(_M, (_L,), params=False),
@@ -123,6 +145,8 @@ QWEN2_RULES = LLAMA_RULES
 QWEN3_RULES = _decoder_rules(qk_norm=True)
 QWEN3_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+GLM4_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared=True,
+                           expert_bias=True)
 
 
 @dataclass(frozen=True)
@@ -169,11 +193,42 @@ def _mixtral(raw: dict, source: str) -> dict:
     return {**_llama(raw, source), **_moe(raw, source, ffn="intermediate_size")}
 
 
+def _glm4_moe(raw: dict, source: str) -> dict:
+    if raw.get("n_shared_experts", 1) < 1:
+        raise UserError(f"{source}: n_shared_experts={raw['n_shared_experts']}: the GLM-4.5 mapping needs a shared expert")
+    return {**_glm_attention(raw), **_moe(raw, source, ffn="moe_intermediate_size"),
+            **_sigmoid_router(raw, source), "moe_dense_layers": raw.get("first_k_dense_replace", 1),
+            "moe_shared_expert_intermediate_size": raw["moe_intermediate_size"] * raw.get("n_shared_experts", 1),
+            "rotary_percent": float(_rope(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)))}
+
+
+def _glm_attention(raw: dict) -> dict:
+    """GLM-4.5's attention: Llama's, biased on q/k/v only (attention_bias leaves o_proj unbiased), with
+    Qwen3's per-head q/k norms when use_qk_norm."""
+    return {"add_qkv_bias": bool(raw.get("attention_bias", False)), "qk_layernorm": bool(raw.get("use_qk_norm", False))}
+
+
+def _sigmoid_router(raw: dict, source: str) -> dict:
+    """DeepSeek-style routing: sigmoid scores, the choice made on scores + e_score_correction_bias
+    within the best groups, the weights the chosen scores renormalised and scaled."""
+    if not raw.get("norm_topk_prob", True):
+        raise UserError(f"{source}: norm_topk_prob=false with sigmoid scoring: megatron-core always renormalises "
+                        "the chosen scores")
+    groups, keep, topk = raw.get("n_group", 1) or 1, raw.get("topk_group", 1) or 1, raw["num_experts_per_tok"]
+    if groups > 1 and topk // keep != 2:
+        raise UserError(f"{source}: n_group={groups} with num_experts_per_tok // topk_group = {topk // keep}: "
+                        "transformers scores a group by its top 2 experts, megatron-core by its top "
+                        "num_experts_per_tok // topk_group")
+    return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_topk_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
+            **({"moe_router_num_groups": groups, "moe_router_group_topk": keep} if groups > 1 else {})}
+
+
 def _moe(raw: dict, source: str, ffn: str) -> dict:
-    # transformers 5 writes num_local_experts for every family; Qwen3-MoE checkpoints on the hub num_experts.
-    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    # transformers 5 writes num_local_experts for most families; Qwen3-MoE checkpoints on the hub num_experts, GLM n_routed_experts.
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
     if experts is None:
-        raise UserError(f"{source}: config.json has neither num_local_experts nor num_experts")
+        raise UserError(f"{source}: config.json has none of num_local_experts, num_experts, n_routed_experts")
     try:
         return {"num_moe_experts": experts, "moe_router_topk": raw["num_experts_per_tok"],
                 "moe_ffn_hidden_size": raw[ffn], "moe_router_score_function": "softmax"}
@@ -194,6 +249,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts=QWEN3_MOE_EXPERTS),
     Family("mixtral", "MixtralForCausalLM", _decoder_rules(experts=MIXTRAL_EXPERTS), _mixtral,
            experts=MIXTRAL_EXPERTS),
+    Family("glm4_moe", "Glm4MoeForCausalLM", _decoder_rules(qk_norm=True, experts=GLM4_MOE_EXPERTS), _glm4_moe,
+           experts=GLM4_MOE_EXPERTS),
 )}
 
 
@@ -230,9 +287,13 @@ def model_config(raw: dict, family: Family, name: str, source: str) -> ModelConf
     return ModelConfig.from_dict(fields, source=source)
 
 
+def _rope(raw: dict) -> dict:
+    return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
+
 def _rope_theta(raw: dict, source: str) -> float:
     """transformers 5 writes rope_parameters; older checkpoints rope_theta and rope_scaling."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope = _rope(raw)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise UserError(f"{source}: RoPE scaling {kind!r} is not supported (only plain RoPE)")

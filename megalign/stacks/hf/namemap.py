@@ -29,6 +29,10 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, dim
     return grouped.reshape(-1, *rest).movedim(0, dim)
 
 
+def _holds(model: ModelConfig, rule: Rule, layer: int) -> bool:
+    return rule.layers == "all" or (rule.layers == "moe") == model.is_moe_layer(layer)
+
+
 class NameMap:
     """A family's rules expanded over the layers of one model."""
 
@@ -38,16 +42,20 @@ class NameMap:
         self.rules: list[Rule] = []
         block: list[Rule] = []
         for rule in family.rules + (None,):
+            if rule is not None and rule.when is not None and not getattr(model, rule.when):
+                continue
             if rule is not None and rule.per_layer:
                 block.append(rule)
                 continue
             experts = range(model.num_moe_experts or 1)
-            self.rules += [r.expand(i, e) for i in range(model.num_layers) for r in block
+            self.rules += [r.expand(i, e) for i in range(model.num_layers) for r in block if _holds(model, r, i)
                            for e in (experts if r.per_expert else (0,))]
             block = []
             if rule is not None:
                 self.rules.append(rule)
         self._by_hf_module = {(hf, rule.on): rule for rule in self.rules for hf in rule.hf}
+        self.buffers: dict[str, str] = {megatron: hf for i in range(model.num_layers) if model.is_moe_layer(i)
+                                        for megatron, hf in (family.experts.buffers(i) if family.experts else {}).items()}
 
     def rule_for_hf_module(self, hf_module: str, on: str = "output") -> Optional[Rule]:
         """The rule that writes `hf_module`'s output (or, on="input", its first input)."""

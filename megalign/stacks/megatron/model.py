@@ -64,6 +64,8 @@ def _moe_config(spec: RunSpec) -> dict:
         expert_tensor_parallel_size=spec.layout.expert_tp,
         moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
         moe_enable_routing_replay=spec.routing_replay is not None,
+        moe_layer_freq=model.moe_layer_freq, moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
     )
 
 
@@ -86,23 +88,37 @@ def layer_spec(spec: RunSpec, config: TransformerConfig):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.model.qk_layernorm)
-    layer = get_gpt_layer_local_spec(num_experts=spec.model.num_moe_experts, moe_grouped_gemm=False,
+    layer = _local_layer(spec, backend, spec.model.num_moe_experts)
+    if not spec.layout.sp and not spec.model.moe_dense_layers:
+        return layer
+    # The block is spelled out for dense layers among MoE ones (a spec per layer of this stage) and,
+    # under SP, to reach the final norm: the norms in the sequence-parallel region (the layers' and the
+    # final one) mark their weights for finalize_model_grads' all-reduce over TP.
+    from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megalign.stacks.megatron.norm import SequenceParallelNorm
+
+    dense = _local_layer(spec, backend, None) if spec.model.moe_dense_layers else layer
+    offset = get_transformer_layer_offset(config)
+    layers = [layer if spec.model.is_moe_layer(offset + i) else dense for i in range(get_num_layers_to_build(config))]
+    return TransformerBlockSubmodules(layer_specs=layers,
+                                      layer_norm=SequenceParallelNorm if spec.layout.sp else LayerNormImpl)
+
+
+def _local_layer(spec: RunSpec, backend: str, experts):
+    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
                                      qk_layernorm=spec.model.qk_layernorm, normalization=spec.model.normalization)
     if backend == "torch":
         from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
 
         layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
-    if not spec.layout.sp:
-        return layer
-    # The norms in the sequence-parallel region (the layers' and the final one) mark their weights for
-    # finalize_model_grads' all-reduce over TP; the block is spelled out to reach the final norm.
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    if spec.layout.sp:
+        from megalign.stacks.megatron.norm import SequenceParallelNorm
 
-    from megalign.stacks.megatron.norm import SequenceParallelNorm
-
-    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                      layer_norm=SequenceParallelNorm)
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return layer
 
 
 def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
@@ -113,6 +129,7 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.model.tie_embeddings,
         position_embedding_type=spec.model.position_embedding, rotary_base=spec.model.rotary_base,
+        rotary_percent=spec.model.rotary_percent,
         parallel_output=True,
     )
     if spec.device == "cuda":
@@ -136,6 +153,17 @@ def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSour
             if sharding.tp_dim is not None:
                 shape[sharding.tp_dim] *= tp_size
             param.copy_(weights(name, ParamShard(tuple(shape), sharding, tp_rank, tp_size, param.dtype, param.device)))
+        if model_config.moe_router_enable_expert_bias:
+            _load_expert_bias(model, weights)
+
+
+def _load_expert_bias(model: GPTModel, weights: WeightSource) -> None:
+    """The routers' expert_bias, a buffer (float32, whole on every rank): setting only parameters
+    would leave it at zeros and route every token as if unbiased."""
+    for local, buffer in model.named_buffers():
+        if local.endswith(".router.expert_bias"):
+            buffer.copy_(weights(global_name(model, local), ParamShard(tuple(buffer.shape), dtype=buffer.dtype,
+                                                                       device=buffer.device)))
 
 
 def _tp_size(param: torch.nn.Parameter) -> int:
