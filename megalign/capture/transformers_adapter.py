@@ -37,29 +37,16 @@ def megatron_router(layer: int) -> str:
     return f"decoder.layers.{layer}.mlp.router"
 
 
-def routing_records(layer: int, output: tuple, seq_len: int, router: Optional[torch.nn.Module] = None
-                    ) -> dict[str, torch.Tensor]:
+def routing_records(layer: int, output: tuple, seq_len: int) -> dict[str, torch.Tensor]:
     """A router's (logits, weights, experts) over [b*s] tokens as megatron's routing records, by
-    name: [s, b, ...], laid out as SEQ_FIRST. `router`: the module, whose choice order is megatron's
-    where transformers' own is not (choice_order)."""
+    name: [s, b, ...], laid out as SEQ_FIRST, each token's experts highest weight first as megatron's
+    records have them: GLM-4.5's (DeepSeek-style) router picks them with topk(sorted=False), by a
+    biased score, and so returns them in no such order."""
     logits, weights, experts = output
-    if router is not None:
-        weights, experts = choice_order(router, logits, weights, experts)
+    order = weights.argsort(dim=-1, descending=True, stable=True)
+    weights, experts = weights.gather(-1, order), experts.gather(-1, order)
     return {f"{megatron_router(layer)}.{what}": tensor.detach().view(-1, seq_len, tensor.shape[-1]).transpose(0, 1)
             for what, tensor in (("logits", logits), ("experts", experts), ("weights", weights))}
-
-
-def choice_order(router: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's experts and weights from the best choice score down, as megatron's top-k gives
-    them. A DeepSeek-style router (GLM-4.5's) chooses by sigmoid(logits) + e_score_correction_bias with
-    topk(sorted=False); others already return them sorted."""
-    bias = getattr(router, "e_score_correction_bias", None)
-    if bias is None:
-        return weights, experts
-    score = (logits.float().sigmoid() + bias).gather(-1, experts)
-    order = score.argsort(dim=-1, descending=True)
-    return weights.gather(-1, order), experts.gather(-1, order)
 
 
 def output_sharding(tensor: torch.Tensor, seq_len: int) -> Sharding:

@@ -130,7 +130,7 @@ class HFCapture:
     def _routing_hook(self, layer: int):
         """The router's (logits, weights, experts) over [b*s] tokens, written as megatron's routing records."""
         def record(module, inputs, output):
-            for key, tokens in routing_records(layer, output, self.seq_len, module).items():
+            for key, tokens in routing_records(layer, output, self.seq_len).items():
                 self._write(key, tokens, SEQ_FIRST, megatron_router(layer), kind=Kind.ROUTING)
 
         return record
