@@ -84,6 +84,7 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_dense_layers: int = 0  # the first N layers keep a dense MLP (HF's first_k_dense_replace)
     moe_router_enable_expert_bias: bool = False  # the router's expert_bias buffer (HF's e_score_correction_bias)
+    moe_router_fp32: bool = False  # the router's matmul and scores in float32 whatever the run's dtype
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups,
     moe_router_group_topk: Optional[int] = None  # of which this many are kept
 

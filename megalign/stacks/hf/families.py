@@ -219,7 +219,8 @@ def _sigmoid_router(raw: dict, source: str) -> dict:
         raise UserError(f"{source}: n_group={groups} with num_experts_per_tok // topk_group = {topk // keep}: "
                         "transformers scores a group by its top 2 experts, megatron-core by its top "
                         "num_experts_per_tok // topk_group")
-    return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+    # transformers keeps this router's weight and bias in float32 (_keep_in_fp32_modules_strict) and scores in float32.
+    return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "moe_router_fp32": True,
             "moe_router_topk_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
             **({"moe_router_num_groups": groups, "moe_router_group_topk": keep} if groups > 1 else {})}
 
