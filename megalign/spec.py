@@ -152,7 +152,8 @@ class ModelConfig:
     def _validate_moe(self, source: str) -> None:
         if self.num_moe_experts is None:
             return
-        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "moe_router_num_groups", "moe_router_group_topk"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value <= 0):
                 raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
@@ -168,8 +169,9 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not is_number(value) or not math.isfinite(value) or value < 0):
                 raise UserError(f"{source}: {name} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.moe_router_pre_softmax, bool):
-            raise UserError(f"{source}: moe_router_pre_softmax must be true or false")
+        for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_fp32"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{source}: {name} must be true or false")
         if not is_int(self.moe_dense_layers) or not 0 <= self.moe_dense_layers < self.num_layers:
             raise UserError(f"{source}: moe_dense_layers must be an integer in [0, num_layers), "
                             f"got {self.moe_dense_layers!r}")

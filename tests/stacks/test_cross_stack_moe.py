@@ -1,9 +1,11 @@
 """Mixture-of-experts checkpoints through transformers and through megatron-core, compared.
 
 Tiny random Qwen3-MoE, Mixtral and GLM-4.5 checkpoints built with transformers on the fly (4 experts,
-top-2; norm weights randomised; GLM's layer 0 dense, its router decisive: see decisive_router). transformers 5 keeps the experts fused in memory and per expert on
-disk; both are mapped to megatron's experts by global index (compared at EP=2; the twin runs at EP=1). The failing twin is a checkpoint whose
-experts 0 and 1 of layer 1 trade weights: caught at that layer's MoE output, routing still equal.
+top-2; norm weights randomised; GLM's layer 0 dense, its router decisive: see decisive_router).
+transformers 5 keeps the experts fused in memory and per expert on disk; both are mapped to megatron's
+experts by global index (compared at EP=2; the twin runs at EP=1). The failing twin is a checkpoint
+whose experts 0 and 1 of layer 1 trade weights: caught at that layer's MoE output, routing still
+equal; GLM's, its router's expert bias dropped: caught at layer 1's routing.
 """
 
 from __future__ import annotations

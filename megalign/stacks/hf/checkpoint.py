@@ -88,7 +88,8 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 
 def _check_coverage(checkpoint: HFCheckpoint) -> None:
-    needed = {hf for _, parts in checkpoint.names.params().values() for hf in parts} | set(checkpoint.names.buffers.values())
+    needed = {hf for _, parts in checkpoint.names.params().values() for hf in parts}
+    needed |= set(checkpoint.names.buffers.values())
     # Some exports also save the tied copy of the embeddings as lm_head.weight.
     allowed = needed | ({"lm_head.weight"} if checkpoint.model.tie_embeddings else set())
     missing = sorted(needed - set(checkpoint.files))

@@ -195,7 +195,8 @@ def _mixtral(raw: dict, source: str) -> dict:
 
 def _glm4_moe(raw: dict, source: str) -> dict:
     if raw.get("n_shared_experts", 1) < 1:
-        raise UserError(f"{source}: n_shared_experts={raw['n_shared_experts']}: the GLM-4.5 mapping needs a shared expert")
+        raise UserError(f"{source}: n_shared_experts={raw['n_shared_experts']}: the GLM-4.5 mapping needs a "
+                        "shared expert")
     return {**_glm_attention(raw), **_moe(raw, source, ffn="moe_intermediate_size"),
             **_sigmoid_router(raw, source), "moe_dense_layers": raw.get("first_k_dense_replace", 1),
             "moe_shared_expert_intermediate_size": raw["moe_intermediate_size"] * raw.get("n_shared_experts", 1),
@@ -226,7 +227,8 @@ def _sigmoid_router(raw: dict, source: str) -> dict:
 
 
 def _moe(raw: dict, source: str, ffn: str) -> dict:
-    # transformers 5 writes num_local_experts for most families; Qwen3-MoE checkpoints on the hub num_experts, GLM n_routed_experts.
+    # transformers 5 writes num_local_experts for most families; Qwen3-MoE checkpoints on the hub
+    # num_experts, GLM n_routed_experts.
     experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
     if experts is None:
         raise UserError(f"{source}: config.json has none of num_local_experts, num_experts, n_routed_experts")

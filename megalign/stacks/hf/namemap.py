@@ -54,8 +54,10 @@ class NameMap:
             if rule is not None:
                 self.rules.append(rule)
         self._by_hf_module = {(hf, rule.on): rule for rule in self.rules for hf in rule.hf}
-        self.buffers: dict[str, str] = {megatron: hf for i in range(model.num_layers) if model.is_moe_layer(i)
-                                        for megatron, hf in (family.experts.buffers(i) if family.experts else {}).items()}
+        # Buffers the checkpoint holds and megatron needs loaded (not parameters: no gradient): megatron -> HF.
+        self.buffers: dict[str, str] = {} if family.experts is None else {
+            megatron: hf for i in range(model.num_layers) if model.is_moe_layer(i)
+            for megatron, hf in family.experts.buffers(i).items()}
 
     def rule_for_hf_module(self, hf_module: str, on: str = "output") -> Optional[Rule]:
         """The rule that writes `hf_module`'s output (or, on="input", its first input)."""

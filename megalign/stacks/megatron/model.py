@@ -65,7 +65,8 @@ def _moe_config(spec: RunSpec) -> dict:
         moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
         moe_enable_routing_replay=spec.routing_replay is not None,
         moe_layer_freq=model.moe_layer_freq, moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-        moe_router_dtype="fp32" if model.moe_router_fp32 else None, moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_dtype="fp32" if model.moe_router_fp32 else None,
+        moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
     )
 
 
