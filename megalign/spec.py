@@ -82,11 +82,19 @@ class ModelConfig:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "none"
     moe_aux_loss_coeff: float = 0.0
-    moe_dense_layers: int = 0  # the first N layers keep a dense MLP (HF's first_k_dense_replace)
-    moe_router_enable_expert_bias: bool = False  # the router's expert_bias buffer (HF's e_score_correction_bias)
-    moe_router_fp32: bool = False  # the router's matmul and scores in float32 whatever the run's dtype
+    # Per layer, 1 for an MoE layer and 0 for a dense one (DeepSeek-V3's first_k_dense_replace); None: all MoE.
+    moe_layer_freq: Optional[list[int]] = None
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups,
-    moe_router_group_topk: Optional[int] = None  # of which this many are kept
+    moe_router_group_topk: Optional[int] = None  # of which each token may use this many
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's and GLM-4.5's score-correction bias, a buffer
+    moe_router_fp32: bool = False  # the router's matmul and scores in float32 whatever the run's dtype
+    # Multi-latent attention (DeepSeek-V3): low-rank q and kv projections; qk_head_dim is the part without RoPE.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_head_dim: Optional[int] = None
+    qk_pos_emb_head_dim: Optional[int] = None
+    v_head_dim: Optional[int] = None
 
     @classmethod
     def from_yaml(cls, path: Path) -> "ModelConfig":
@@ -172,21 +180,18 @@ class ModelConfig:
         for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_fp32"):
             if not isinstance(getattr(self, name), bool):
                 raise UserError(f"{source}: {name} must be true or false")
-        if not is_int(self.moe_dense_layers) or not 0 <= self.moe_dense_layers < self.num_layers:
-            raise UserError(f"{source}: moe_dense_layers must be an integer in [0, num_layers), "
-                            f"got {self.moe_dense_layers!r}")
+        if self.moe_layer_freq is not None and (
+                not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) != self.num_layers
+                or any(v not in (0, 1) for v in self.moe_layer_freq)):
+            raise UserError(f"{source}: moe_layer_freq must list 0 (dense) or 1 (MoE) for each of the "
+                            f"{self.num_layers} layers, got {self.moe_layer_freq!r}")
 
     @property
     def is_moe(self) -> bool:
         return self.num_moe_experts is not None
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.is_moe and layer >= self.moe_dense_layers
-
-    @property
-    def moe_layer_freq(self) -> list[int]:
-        """megatron's moe_layer_freq as a per-layer pattern: 0 dense, 1 MoE."""
-        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
+        return self.is_moe and (self.moe_layer_freq is None or bool(self.moe_layer_freq[layer]))
 
     def padded_vocab_size(self, tp: int) -> int:
         """megatron splits the vocabulary evenly over TP ranks; a checkpoint's vocab need not divide."""
@@ -203,6 +208,11 @@ def check_layout(layout: Layout, model: ModelConfig, seq_len: int, sequences: in
     layout.check_sizes()
     if layout.sp and layout.tp == 1:
         raise UserError("--sp splits the sequence over the TP ranks: it needs --tp > 1")
+    if model.multi_latent_attention and layout.tp > 1:
+        # Measured on a tiny DeepSeek-V3 at TP=2 (+SP): the gradient of kv_down_proj's rope rows 21-25% short.
+        raise UserError(f"--tp {layout.tp} with multi-latent attention: megatron-core's MLA gathers "
+                        "linear_kv_down_proj's output over TP, whose backward keeps each rank's slice and drops the "
+                        "other ranks' heads' share of the rope key's gradient; use --cp or --ep")
     _check_experts(layout, model)
     layout.check_sequences(sequences)
     if model.num_attention_heads % layout.tp or model.num_query_groups % layout.tp:

@@ -44,8 +44,9 @@ import torch.distributed as dist
 
 from megalign.capture import megatron_adapter, torch_adapter
 from megalign.capture.adapter import Adapter, Sink, View
-from megalign.capture.coverage import collective_device
+from megalign.capture.coverage import collective_device, read_grad
 from megalign.capture.dtensor import is_dtensor, local_piece
+from megalign.capture.grad_reads import GradReads
 from megalign.capture.hooks import Hooks
 from megalign.capture.rows import RowLog, rows_meta
 from megalign.capture.steps import Steps, choose_steps
@@ -121,6 +122,10 @@ class Dumper:
         # parameter name -> the parameter, of watched modules, and the adapter of the model it is in
         self._watched: dict[str, tuple[torch.nn.Parameter, Adapter]] = {}
         self._hooks = Hooks()
+        # param_grad read when the reduction completes, and again as the optimizer steps (grad_reads.py)
+        self._reads = GradReads(self._dump_grads, self._held_grads, self._writer.discard,
+                                lambda: self._writing and self._step_now is not None,
+                                lambda: self.layout.dp == 1 or self._reducers.reduce_in_backward())
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules whose outputs are watched (a model may go)
         # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
         # padded rows where watch() was given seq_dim; every DP rank's, gathered at close (rows.py).
@@ -305,6 +310,11 @@ class Dumper:
         if self._dp_ranks is not None and (placed := torch_adapter.place_tensor_parallel(module, self._dp_ranks)):
             self._place_again(*placed)
         adapter, module = _adapter_for(module, self.layout, self._dp_ranks, outputs, batch_dim)
+        if isinstance(adapter, megatron_adapter.MegatronAdapter):
+            for ddp in adapter.ddps:  # its scaling, and the per-token loss's division a step (grad_convention.py)
+                self._reducers.watch_megatron(ddp, lambda: self._step_now if self._writing else None)
+        else:  # megatron-core's DDP reduces in finalize_model_grads: its gradients are read at the step's end
+            self._reads.watch(module, self._optimizer_steps)
 
         def named(path: str) -> str:
             path = adapter.name(path)
@@ -357,10 +367,12 @@ class Dumper:
         """A training step, written if `steps` chose it: when the block ends, the watched modules'
         parameter gradients are dumped (`.grad`, or megatron DDP's `main_grad`, gathered from every
         rank's shard under the distributed optimizer), with `params=True` the parameters too, and
-        dump.json records `n`. End the block after the gradients are final (megatron-core:
-        after finalize_model_grads) and before the optimizer step. A block that raises leaves its
-        step out of the dump, with a warning (a loop that skips a step after an error goes on);
-        steps do not nest."""
+        dump.json records `n`. A watched torch model's gradients are read when each backward's
+        reduction completes instead, before any clip, and again as a torch optimizer steps on them
+        (`name#stepped` where they differ: grad_reads.py), so a clip may stand inside the block or
+        after it. End the block before the optimizer step (megatron-core: after
+        finalize_model_grads). A block that raises leaves its step out of the dump, with a warning
+        (a loop that skips a step after an error goes on); steps do not nest."""
         n = _step_number(n)
         self._check_open("step")
         if self._step_now is not None:
@@ -375,6 +387,7 @@ class Dumper:
         self._writer.summaries.fused = bool(self._steps)
         if self._writing:
             self._marks.append([n, len(self.records)])
+        self._reads.begin_step()
         try:
             yield
         except BaseException as error:
@@ -383,7 +396,11 @@ class Dumper:
             raise
         else:
             if self._writing:
-                self._dump_parameters()
+                if self._reads.watching:
+                    self._reads.end_step()
+                else:
+                    self._dump_grads()
+                self._dump_params()
                 self._steps.append(n)
         finally:
             self._writing, self._step_now = outside, outside_step
@@ -409,9 +426,30 @@ class Dumper:
                                f"{os.getpid()}, a fork of it, would mix into its dump or lose it (make a Dumper of "
                                "this process's own, with another out)")
 
-    def _dump_parameters(self) -> None:
+    def _optimizer_steps(self) -> None:
+        """A torch optimizer is about to step: after a written step's block, its gradients as the
+        optimizer takes them (grad_reads.py), written under that step."""
+        if self._step_now is None and self._reads.awaiting and not self._closed:
+            self._reads.awaiting = False
+            outside, self._writing = self._writing, True
+            try:
+                self._reads.stepped()
+            finally:
+                self._writing = outside
+
+    def _held_grads(self) -> list[torch.Tensor]:
+        return [grad for grad in (read_grad(param) for param, _ in self._watched.values()) if grad is not None]
+
+    def _dump_params(self) -> None:
+        """With `params`, the watched parameters (before the optimizer steps)."""
+        for name, (param, adapter) in self._watched.items() if self._params else ():
+            self.add(Kind.PARAM, name, param.detach(), adapter.param_sharding(name, param),
+                     module=name.rpartition(".")[0] or None)
+
+    def _dump_grads(self, suffix: str = "") -> range:
         """Each watched parameter's gradient, read where its adapter says, model by model (in the
-        order watched: collectives in one order on every rank)."""
+        order watched: collectives in one order on every rank), named with `suffix`; the orders written."""
+        first = len(self.records)
         by_adapter: dict[int, tuple[Adapter, dict[str, torch.nn.Parameter]]] = {}
         for name, (param, adapter) in self._watched.items():
             by_adapter.setdefault(id(adapter), (adapter, {}))[1][name] = param
@@ -428,12 +466,10 @@ class Dumper:
                                                  list(params.values()))
             present = {name: holds for name, holds in zip(grads, held) if name in tested}
             for name, param in params.items():
-                module, sharding = name.rpartition(".")[0] or None, adapter.param_sharding(name, param)
                 if grads[name] is not None and present.get(name, True):
-                    self._record(Kind.PARAM_GRAD, name, grads[name], sharding, module=module,
-                                 unless_zero=later and name in tested)
-                if self._params:
-                    self.add(Kind.PARAM, name, param.detach(), sharding, module=module)
+                    self._record(Kind.PARAM_GRAD, name + suffix, grads[name], adapter.param_sharding(name, param),
+                                 module=name.rpartition(".")[0] or None, unless_zero=later and name in tested)
+        return range(first, len(self.records))
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
         """Write every rank's manifest (with `manifest`'s extra fields), then (rank 0) dump.json, and
@@ -445,6 +481,8 @@ class Dumper:
         self._closed = True
         self._forget_unclosed()
         self._hooks.remove()
+        self._reads.remove()
+        self._reducers.release()
         if not self._choice.all and not self._steps:  # MEGALIGN_DUMP_STEPS=7 in a run of 3 steps
             warnings.warn(f"megalign.Dumper({str(self.out)!r}): none of the steps it was to dump ran "
                           f"(steps {self._choice}): the dump holds no step", stacklevel=2)
@@ -504,6 +542,8 @@ class Dumper:
         self._closed = True
         self._forget_unclosed()
         self._hooks.remove()
+        self._reads.remove()
+        self._reducers.release()
         with contextlib.suppress(Exception):  # the error being handled is the one to report
             self._writer.close()
         self._landing.__exit__(RuntimeError, RuntimeError("aborted"), None)

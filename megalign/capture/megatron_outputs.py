@@ -111,7 +111,7 @@ def output_sharding(module: torch.nn.Module, name: str, tensor: torch.Tensor, lo
 
 
 def _sequence_first_sharding(module: torch.nn.Module, name: str, tensor: torch.Tensor, local: LocalShape) -> Sharding:
-    if name == "rotary_pos_emb":
+    if name.split(".")[-1] == "rotary_pos_emb":  # the model's, or MLA's own in each attention
         return local.seq_sharding(tensor, 0, None)  # [s, 1, 1, dim]: no batch
     if ".core_attention." in name and tensor.ndim == 4:
         # softmax and dropout inside the attention: [b, heads/tp, sq, sk], the sequence never split by SP

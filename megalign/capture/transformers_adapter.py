@@ -39,12 +39,11 @@ def megatron_router(layer: int) -> str:
 
 def routing_records(layer: int, output: tuple, seq_len: int) -> dict[str, torch.Tensor]:
     """A router's (logits, weights, experts) over [b*s] tokens as megatron's routing records, by
-    name: [s, b, ...], laid out as SEQ_FIRST, each token's experts highest weight first as megatron's
-    records have them: GLM-4.5's (DeepSeek-style) router picks them with topk(sorted=False), by a
-    biased score, and so returns them in no such order."""
+    name: [s, b, ...], laid out as SEQ_FIRST. The experts highest weight first, as megatron's records:
+    DeepSeek-V3's and GLM-4.5's routers pick them with topk(sorted=False)."""
     logits, weights, experts = output
-    order = weights.argsort(dim=-1, descending=True, stable=True)
-    weights, experts = weights.gather(-1, order), experts.gather(-1, order)
+    weights, order = weights.sort(dim=-1, descending=True, stable=True)
+    experts = experts.gather(-1, order)
     return {f"{megatron_router(layer)}.{what}": tensor.detach().view(-1, seq_len, tensor.shape[-1]).transpose(0, 1)
             for what, tensor in (("logits", logits), ("experts", experts), ("weights", weights))}
 

@@ -13,11 +13,9 @@ from megalign.compare.explain import explain
 from megalign.compare.kind_choice import KindChoice
 from megalign.compare.outputs import Output, check_outputs, write_replacing
 from megalign.compare.report import is_report, write_jsonl
-from megalign.compare.rollout_findings import find, is_worst_file, write_worst
-from megalign.compare.rollout_pair import open_pair
-from megalign.compare.sources import open_source
+from megalign.compare.rollout_findings import is_worst_file, write_worst
 from megalign.compare.thresholds import Thresholds
-from megalign.compare.pipeline import compare_sources
+from megalign.compare.pipeline import compare_paths
 from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, SKIPPED,
                                       UNVERIFIABLE, Row, Span)
 from megalign.dump.format import KINDS
@@ -159,22 +157,15 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     """Compare, print the table and summary, write the reports; the exit code (2 after a one-line error)."""
     try:
         thresholds, kinds = check_judging(judging, [a, b] + ([reference] if reference else []))
-        pair = open_pair(a, b)  # a rollout file and a dump of its tokens, laid out alike
-        if judging.export_worst and pair is None:
-            raise UserError("--export-worst writes a rollout file's worst sequences: neither A nor B is a rollout "
-                            "file (.json, .jsonl)")
-        source_a, source_b = pair.sources() if pair else (open_source(a), open_source(b))
-        reference_dump = open_source(reference) if reference else None
-        source_r = pair.view(reference_dump) if pair and reference_dump else reference_dump
-        report = compare_sources(source_a, source_b, thresholds, name_filter=judging.filter, workers=judging.workers,
-                                 allow_skipped=judging.allow_skipped, reference=source_r,
-                                 allow_missing=judging.allow_missing, strict_nonfinite=judging.strict_nonfinite,
-                                 kinds=kinds)
-        findings = find(pair, report, reference_dump) if pair else None
+        compared = compare_paths(a, b, reference, thresholds, needs_rollout=judging.export_worst is not None,
+                                 name_filter=judging.filter, workers=judging.workers,
+                                 allow_skipped=judging.allow_skipped, allow_missing=judging.allow_missing,
+                                 strict_nonfinite=judging.strict_nonfinite, kinds=kinds)
     except UserError as e:
         fail(str(e), e.exit_code)
+    report, findings = compared.report, compared.findings
     with reader_may_leave():
-        for side, path, source in (("A", a, report.a), ("B", b, report.b), ("R", reference, source_r)):
+        for side, path, source in (("A", a, report.a), ("B", b, report.b), ("R", reference, compared.reference)):
             if source is not None:
                 console.print(f"[bold]{side}[/] {shown(str(path))}: {shown(source.description)}"
                               + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
@@ -197,14 +188,14 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
         _write_report(judging.plot, lambda tmp: plot_divergence(report, tmp))
     if judging.export_worst is not None and findings is not None:
         n, path = judging.export_worst
-        _write_report(path, lambda tmp: write_worst(tmp, pair, findings, n))
+        _write_report(path, lambda tmp: write_worst(tmp, compared.pair, findings, n))
     return 0 if report.summary.ok else 1
 
 
 def run_explain(inputs: list[tuple[str, Path]], name: str) -> int:
     """Print the plan of tensor `name` in every input; 0, or 2 after a one-line error."""
     try:
-        lines = explain([(side, path, open_source(path)) for side, path in inputs], name)
+        lines = explain(inputs, name)
     except UserError as e:
         fail(str(e), e.exit_code)
     with reader_may_leave():

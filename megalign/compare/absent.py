@@ -24,7 +24,8 @@ REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), s
     (r"core_attention\.(scale_mask_softmax|attention_dropout)$", "kernel",
      "inside megatron's local attention; other attention kernels do not expose it"),
     (r"self_attn#1$", "stack", "HF's attention probabilities; megatron's local attention has them inside core_attention"),
-    (r"(^rotary_pos_emb|rotary_emb(#\d+)?)$", "stack", "the RoPE table: each stack lays it out its own way"),
+    # MLA's attention holds its own (self_attention.rotary_pos_emb).
+    (r"((^|\.)rotary_pos_emb|rotary_emb(#\d+)?)$", "stack", "the RoPE table: each stack lays it out its own way"),
     (r"^embedding\.embedding_dropout$", "stack", "megatron's embedding dropout (off); its output is the `embedding` row"),
     (r"^embedding\.word_embeddings$", "stack",
      "megatron's batch-first lookup; the `embedding` row holds the same values"),

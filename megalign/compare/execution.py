@@ -26,6 +26,7 @@ from megalign.compare.matching import Pair
 from megalign.compare.metrics import TensorMetrics, metrics_of, pair_sums
 from megalign.compare.rank_rows import rank_rows
 from megalign.compare.records import BY_OP_MAP, BY_PATTERN, Row, Verdict
+from megalign.dump.format import Kind
 
 # Pairs with a side over STREAM_BYTES are compared a window of about WINDOW_BYTES at a time (rows
 # of dim 0, or where one row is larger, runs of a deeper dim within it), in chunks of CHUNK_WINDOWS
@@ -99,7 +100,7 @@ class Execution:
         a, b = pair.a, pair.b
         if a is None or b is None or a.apart or b.apart or not (a.nbytes and b.nbytes) or \
                 max(a.nbytes, b.nbytes) < STREAM_BYTES or a.shape != b.shape or not a.shape or \
-                pair.kind in ("logprobs", "routing") or (pair.kind, pair.name) in self.in_reference:
+                pair.kind in (Kind.LOGPROBS, Kind.ROUTING) or (pair.kind, pair.name) in self.in_reference:
             return []
         shape, itemsize = a.shape, max(a.nbytes, b.nbytes) // math.prod(a.shape)
         dim = next(d for d in range(len(shape)) if math.prod(shape[d + 1:]) * itemsize <= WINDOW_BYTES or

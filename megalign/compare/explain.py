@@ -9,6 +9,7 @@ from pathlib import Path
 from megalign.compare.entries import Entry, Source
 from megalign.compare.plan import Unassemblable
 from megalign.compare.reassemble import plan_of
+from megalign.compare.sources import open_source
 from megalign.errors import UserError
 
 
@@ -17,10 +18,11 @@ def near_names(name: str, names) -> list[str]:
     return difflib.get_close_matches(name, sorted(set(names)), n=3)
 
 
-def explain(inputs: list[tuple[str, Path, Source]], name: str) -> list[str]:
-    """The lines `--explain NAME` prints for the (label, path, source) inputs: each input's
-    description, then the plan of every kind of tensor it holds under NAME. UserError (exit 2) when
-    no input holds NAME: one line naming the closest names."""
+def explain(paths: list[tuple[str, Path]], name: str) -> list[str]:
+    """The lines `--explain NAME` prints for the (label, path) inputs, opened in their order: each
+    input's description, then the plan of every kind of tensor it holds under NAME. UserError (exit 2)
+    when no input holds NAME: one line naming the closest names."""
+    inputs = [(label, path, open_source(path)) for label, path in paths]
     if not any(entry.name == name for _, _, source in inputs for entry in source.entries):
         labels = " or ".join(label for label, _, _ in inputs)
         close = near_names(name, (e.name for _, _, source in inputs for e in source.entries))

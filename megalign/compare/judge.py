@@ -36,7 +36,7 @@ from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ON
                                       UNVERIFIABLE, Row, Verdict)
 from megalign.compare.scale import KindScale, SmallScale, check_kinds, check_scale, check_small, explained
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
-from megalign.dump.format import PRECISIONS
+from megalign.dump.format import PRECISIONS, Kind
 from megalign.dump.stats import TensorStats
 
 
@@ -84,11 +84,11 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
         return _judge_routing(v, x, y, replicas_disagree)
     v.dtype_mismatch = x.dtype != y.dtype  # compared in float64 all the same; said once, above the table
     for side, run, value in (("A", rules.run_a, x), ("B", rules.run_b, y)):
-        if kind != "input" and _stored_apart(run, value.dtype):  # inputs: exact anyway
+        if kind != Kind.INPUT and _stored_apart(run, value.dtype):  # inputs: exact anyway
             v.notes.append(f"{side}: stored as {value.dtype} by a {run} run; judged at the run's precision")
     v.threshold = threshold
     m = v.metrics = metrics or _metrics(x, y)
-    if kind == "logprobs" and x.tensor is not None and y.tensor is not None:
+    if kind == Kind.LOGPROBS and x.tensor is not None and y.tensor is not None:
         v.logprobs = logprob_metrics(x.tensor, y.tensor, rules.tokens, rules.loss_mask)
     diverged = not (m.rel_diff <= v.threshold)  # NaN compares false: diverged
     if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
@@ -196,7 +196,7 @@ def _judge_replicas(v: Verdict, x: Value, y: Value, threshold: float) -> bool:
 
 
 def _is_routing_choice(kind: str, x: Value, y: Value) -> bool:
-    return kind == "routing" and x.tensor is not None and y.tensor is not None and \
+    return kind == Kind.ROUTING and x.tensor is not None and y.tensor is not None and \
         not x.tensor.is_floating_point() and not y.tensor.is_floating_point()
 
 

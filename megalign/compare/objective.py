@@ -4,7 +4,8 @@ gradient reduction (dump/grad_convention.py), before they are judged.
 Under an averaging reduction (torch DDP's and FSDP2's defaults) the loss that trains on the whole
 batch is each rank's share times the number of ranks, and every activation gradient is that many
 times the one-process one; the parameter gradients, reduced, are not. Each side's activation
-gradients are divided by its divisor: a correct run then agrees with one process, and a loss whose
+gradients are divided by its divisor (its step's, where it changes by step: megatron's per-token
+loss): a correct run then agrees with one process, and a loss whose
 normalisation does not match its reduction fails at the first tensor it moves. A side whose
 reduction is unknown (a comm hook not stated) is compared as dumped; the header says which
 convention each side used.
@@ -32,9 +33,8 @@ def _rescaled(source: Source) -> Source:
     if reduction is None:
         return source
     described = replace(source, description=f"{source.description}, {reduction.describe()}")
-    if reduction.divide_by in (None, 1):
-        return described
-    return replace(described, entries=[_divided(e, reduction.divide_by) if e.kind == Kind.ACTIVATION_GRAD else e
+    return replace(described, entries=[_divided(e, divisor) if e.kind == Kind.ACTIVATION_GRAD
+                                       and (divisor := reduction.divisor(e.step)) not in (None, 1) else e
                                        for e in source.entries])
 
 

@@ -1,14 +1,17 @@
-"""Compare two sources tensor by tensor, stage after stage: the steps they share, their batches lined up
-token by token, their tensors matched, each pair read and judged, the kinds judged as a whole, the report.
+"""Compare two sources tensor by tensor, stage after stage: the sources opened, the steps they share, their
+batches lined up token by token, their tensors matched, each pair read and judged, the kinds judged as a
+whole, the report (and a rollout file's findings).
 
-The sources come opened (sources.open_source, rollout_pair.open_pair); each stage is a module of its
-own: steps.py, lineup.py, matching.py, execution.py (reading on a thread pool), judge.py, records.py.
+Each stage is a module of its own: sources/ and rollout_pair.py, steps.py, lineup.py, matching.py,
+execution.py (reading on a thread pool), judge.py, records.py, rollout_findings.py.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -22,13 +25,44 @@ from megalign.compare.objective import on_objective_scale
 from megalign.compare.matching import Pair, match_entries
 from megalign.compare.records import NOT_REASSEMBLABLE, SKIPPED, Allowances, Report, Row, Summary
 from megalign.compare.reference import check_reference
+from megalign.compare.rollout_findings import RolloutFindings, find
+from megalign.compare.rollout_pair import RolloutPair, open_pair
+from megalign.compare.sources import open_source
 from megalign.compare.steps import share_steps
 from megalign.compare.thresholds import Thresholds
+from megalign.dump.format import Kind
 from megalign.errors import UserError, compile_pattern
 
 
 class NothingCompared(UserError):
     """A comparison that compared no tensor proves nothing: exit 2, with the reason."""
+
+
+@dataclass
+class Compared:
+    """What comparing two paths found: the report, the reference as compared (a rollout file's view of it),
+    and with a rollout file, the pair and where and why its logprobs differ (None when not compared)."""
+
+    report: Report
+    reference: Optional[Source]
+    pair: Optional[RolloutPair] = None
+    findings: Optional[RolloutFindings] = None
+
+
+def compare_paths(a: Path, b: Path, reference: Optional[Path], thresholds: Thresholds, needs_rollout: bool = False,
+                  **judging) -> Compared:
+    """Open A, B and R and compare them (compare_sources, with `judging`'s keywords). A rollout file on
+    one side is compared with the dump of its tokens, both laid out alike; `needs_rollout` (a rollout's
+    worst sequences asked for) refuses a pair with none, before any dump is read."""
+    pair = open_pair(a, b)
+    if needs_rollout and pair is None:
+        raise UserError("--export-worst writes a rollout file's worst sequences: neither A nor B is a rollout "
+                        "file (.json, .jsonl)")
+    source_a, source_b = pair.sources() if pair else (open_source(a), open_source(b))
+    reference_dump = open_source(reference) if reference else None
+    source_r = pair.view(reference_dump) if pair and reference_dump else reference_dump
+    report = compare_sources(source_a, source_b, thresholds, reference=source_r, **judging)
+    return Compared(report, source_r, pair, find(pair, report, reference_dump) if pair else None)
 
 
 def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: Optional[str] = None,
@@ -77,7 +111,7 @@ def _chosen(matched: list[Pair], pattern: Optional[re.Pattern], name_filter: Opt
 def _input(a: Source, b: Source, name: str) -> Optional[torch.Tensor]:
     for source in (a, b):
         for entry in source.entries:
-            if entry.kind == "input" and entry.name == name:
+            if entry.kind == Kind.INPUT and entry.name == name:
                 return entry.load().tensor
     return None
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Union
 
 from megalign.compare.metrics import StatsMetrics, TensorMetrics
-from megalign.dump.format import REPEAT, Kind
+from megalign.dump.format import REPEAT, STEPPED, Kind
 
 # precision -> (FLOOR, SPREAD), from SmolLM2-135M, transformers against megatron-core at TP=3, CP=2, TP=3+SP,
 # PP=2 and packed rows, over 28 texts (bench/calibrate.py, docs/compare.md "Verdicts on a real model"): each
@@ -104,12 +104,22 @@ def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetri
         (metrics.mean_a * n, metrics.mean_b * n)
     norm_ratio, sum_ratio = ratios(n, (metrics.norm_a, metrics.norm_b), sums)
     limit = tolerance(precision, n)
-    off = explained(metrics, threshold) and any(not (deviation(r) <= limit) for r in (norm_ratio, sum_ratio)
-                                                if r is not None)
+    off = (explained(metrics, threshold) and (n > 1 or _rank_count_factor(norm_ratio, limit))
+           and any(not (deviation(r) <= limit) for r in (norm_ratio, sum_ratio) if r is not None))
     # y = s*x has the relative difference (s-1)^2 / (1+s^2) (metrics.py): what a threshold lets through.
     unverified = limit >= UNVERIFIED and threshold >= UNVERIFIED ** 2 / (1 + (1 + UNVERIFIED) ** 2)
     return Scale(norm_ratio=norm_ratio, sum_ratio=sum_ratio, tolerance=limit, off=off, precision=precision,
                  unverified=unverified)
+
+
+def _rank_count_factor(ratio: float, limit: float) -> bool:
+    """One number is a rescaled copy of any other: it says rescaled only by a factor a layout makes, a
+    whole number (of ranks, of micro-batches) or its reciprocal: a CP loss divided by a local count is 2x,
+    a loss with its labels shifted 0.98x is no factor."""
+    if not math.isfinite(ratio) or ratio <= 0:
+        return False
+    k = max(ratio, 1 / ratio)
+    return round(k) >= 2 and abs(k / round(k) - 1) <= limit
 
 
 def explained(metrics: Union[TensorMetrics, StatsMetrics], threshold: float) -> bool:
@@ -202,10 +212,11 @@ def check_kinds(judged: Iterable[tuple[int, str, str, Scale]]) -> list[tuple[Kin
 
 
 def _group(kind: str, name: str, precision: str) -> tuple[str, str, str]:
-    """(kind, step, precision): the step as KindScale.step says it."""
+    """(kind, step, precision): the step as KindScale.step says it. Gradients as the optimizer
+    stepped on them (a clip's scale in every one) are a pool apart from the reduced ones."""
     step = _STEP.search(name)
     label = "" if not step else step.group() if step.group().startswith("@") else f" {step.group()[:-1]}"
-    return kind, label, precision
+    return kind, label + (f" {STEPPED}" if name.endswith(STEPPED) else ""), precision
 
 
 def ratios(n: int, norms: tuple[float, float], sums: tuple[float, float]) -> tuple[float, Optional[float]]:

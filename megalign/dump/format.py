@@ -139,6 +139,11 @@ def repeat_name(name: str, repeat: int) -> str:
     return name if repeat == 0 else f"{name}@{repeat}"
 
 
+# A parameter gradient's name with this suffix holds it as the optimizer stepped on it, where that
+# differs from the value at the reduction, under the parameter's own name (capture/grad_reads.py).
+STEPPED = "#stepped"
+
+
 def check_name(name: str) -> Optional[str]:
     """Why `name` cannot be a tensor's name (it reads as a repeat), or None."""
     if "@" in name and REPEAT.search(name):

@@ -1,7 +1,7 @@
 """Where a dump is written, and how it lands: nothing half-written, nothing of the user's lost.
 
 The rules of --out, for every writer: megalign's runs (run/launch.py claims and lands the folder
-its workers write into) and megalign.Dumper (dumper.py, rank 0 claims and lands it).
+its workers write into) and megalign.Dumper (capture/dumper.py, rank 0 claims and lands it).
 
 Ranks write into `OUT.partial`, made with an exclusive mkdir and marked with a `.megalign-run`
 file naming the writer (pid, host). Only when every rank has finished is it renamed to OUT, so a

@@ -17,7 +17,7 @@ import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -145,9 +145,13 @@ class RankWriter:
         write_text_atomic(self.dir / MANIFEST, f'{head[:-1]},"tensors":[{tensors}]{"," if tail else ""}{tail}}}')
 
     def discard_from(self, order: int) -> None:
-        """Leave out of the manifest every record from `order` on (a step that raised). Bytes of
-        theirs already in a file stay there, read by nothing."""
-        self._left_out.update(range(order, len(self.records)))
+        """Leave out of the manifest every record from `order` on (a step that raised)."""
+        self.discard(range(order, len(self.records)))
+
+    def discard(self, orders: Iterable[int]) -> None:
+        """Leave the records of `orders` out of the manifest (a step that raised, a read replaced by a
+        later one). Bytes of theirs already in a file stay there, read by nothing."""
+        self._left_out.update(orders)
 
     def _raise(self) -> None:
         if self._error is not None:

@@ -242,3 +242,20 @@ def test_kinds_are_chosen_by_name_and_an_unknown_one_is_refused(dump):
         "param_grad, logits, logprobs, loss, routing, param\n")
     none = invoke("compare", a, b, "--kind", "routing")
     assert none.exit_code == 2 and "--kind 'routing' matches none of the" in none.output
+
+
+def test_of_two_bad_inputs_the_first_one_checked_is_named(dump, tmp_path):
+    """The one line names the first error in the order compare checks: its options before any input is
+    read, a rollout's export before the dumps are opened, then A, B and R in turn."""
+    missing = {side: tmp_path / f"missing-{side}" for side in "ABR"}
+    cases = [(("--kind", "bogus"), "--kind 'bogus': unknown kind"),
+             (("--export-worst", "0", tmp_path / "w.json"), "--export-worst 0: N must be at least 1"),
+             (("--export-worst", "1", tmp_path / "w.json"), "neither A nor B is a rollout file"),
+             ((), f"{missing['A']}: no such file or folder")]
+    for args, words in cases:
+        refused = invoke("compare", missing["A"], missing["B"], "--reference", missing["R"], *args)
+        assert refused.exit_code == 2 and words in refused.output and len(refused.output.splitlines()) == 1, args
+    refused = invoke("compare", dump(*CP1), missing["B"], "--reference", missing["R"])
+    assert refused.exit_code == 2 and f"{missing['B']}: no such file" in refused.output
+    refused = invoke("compare", dump(*CP1), dump(*CP1), "--reference", missing["R"])
+    assert refused.exit_code == 2 and f"{missing['R']}: no such file" in refused.output

@@ -197,6 +197,15 @@ def test_a_factor_that_explains_the_difference_is_called_rescaled():
     assert v.notes[0].startswith("rescaled: norm ratio B/A 2, ") and 1 - v.metrics.cosine <= v.threshold
 
 
+@pytest.mark.parametrize("ratio, rescaled", [(0.979654, False), (1.3, False), (2.0005, True), (0.25, True)])
+def test_a_single_number_is_rescaled_only_by_a_whole_factor(ratio, rescaled):
+    """One number is some factor of any other: a loss with pad labels kept (0.98x) is no rescaled copy;
+    a factor a layout makes, a rank count or its reciprocal (a CP loss over a local count: 2x), is."""
+    v = judged("loss", torch.tensor(4.2), torch.tensor(4.2 * ratio))
+    assert v.status == FAIL and v.scale.off == rescaled
+    assert any(note.startswith("rescaled") for note in v.notes) == rescaled
+
+
 def test_a_kind_is_rescaled_as_a_whole_only_where_a_factor_explains_its_tensors():
     """Eight bf16 matrices permuted and times 1.1 fail on their own, and their median ratio 1.1 is no
     kind rescaled; the twin, times 1.1 alone, is (test_gradients_rescaled_as_a_whole_fail_together)."""

@@ -98,8 +98,8 @@ def test_glm_expert_bias_dropped_is_caught_at_its_router(dump, moe_checkpoints):
 @pytest.mark.parametrize("stack", ["megatron", "hf"])
 def test_glm_settings_megatron_computes_otherwise_are_refused(moe_checkpoints, tmp_path, stack):
     glm = moe_checkpoints["glm4-moe"]
-    cases = [({"norm_topk_prob": False}, "norm_topk_prob=false with sigmoid scoring"),
-             ({"n_group": 2, "topk_group": 2}, "n_group=2 with num_experts_per_tok // topk_group = 1")]
+    cases = [({"norm_topk_prob": False}, "norm_topk_prob=false with sigmoid scores"),
+             ({"n_group": 2, "topk_group": 2}, "num_experts_per_tok // topk_group = 2 // 2 != 2")]
     for i, (changes, message) in enumerate(cases):
         result = invoke("forward", "--hf", with_config(glm, tmp_path / f"c{i}", **changes), "--stack", stack,
                         "--out", tmp_path / f"out{i}")

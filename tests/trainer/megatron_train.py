@@ -26,6 +26,14 @@ when the stage builds them). Planted bug: `--bug local-names`, the weights drawn
 own names (`decoder.layers.0` on every stage), a classic of loading a checkpoint stage by stage.
 `--stats-only`: the dump holds each tensor's statistics, not its values.
 
+`--loss megatron`: megatron's own loss convention, as its pretrain_gpt writes it: the loss function
+returns the rank's token-loss sum and its token count, and megatron's schedule
+(get_forward_backward_func) divides: with calculate_per_token_loss, finalize_model_grads divides the
+summed gradients by the whole batch's count (the Dumper records each step's). DDP at its defaults.
+Planted bug: `--bug cp-local-mean`, calculate_per_token_loss left at megatron's default, off: the
+schedule divides each rank's sum by its own count and DDP averages over DP x CP, the classic CP bug
+where the CP ranks hold uneven shares of the loss mask.
+
 `--moe`: a mixture of experts in every layer (megatron-core's MoE layer spec: 4 experts, top-2, no
 load-balancing loss), `--ep N` splitting them over N expert-parallel ranks (each holds 4/N experts,
 `local_experts.0` on every rank), `--etp M` over M expert TP ranks (megatron's default: TP; under TP,
@@ -75,8 +83,9 @@ parser.add_argument("--stats-only", action="store_true")
 parser.add_argument("--clip", type=float)
 parser.add_argument("--packed", action="store_true")
 parser.add_argument("--half-vocab", action="store_true")
+parser.add_argument("--loss", choices=["own", "megatron"], default="own")
 parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split", "zero-embedding-grad",
-                                      "local-names", "local-experts"])
+                                      "local-names", "local-experts", "cp-local-mean"])
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
@@ -93,7 +102,8 @@ config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_head
                            tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
                            context_parallel_size=args.cp, pipeline_model_parallel_size=args.pp,
                            pipeline_dtype=torch.float32, use_cpu_initialization=True,
-                           hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
+                           hidden_dropout=0.0, attention_dropout=0.0,
+                           calculate_per_token_loss=args.bug != "cp-local-mean",
                            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
                            bias_dropout_fusion=False, gradient_accumulation_fusion=False, **moe)
 layer = get_gpt_layer_local_spec(num_experts=EXPERTS if args.moe else None, moe_grouped_gemm=False)
@@ -139,6 +149,8 @@ if args.draw_weights:
     draw_weights()
 sharded = args.clip is None  # the distributed optimizer, unless this script clips main_grad itself
 ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=sharded), model)
+if args.loss == "megatron":
+    config.finalize_model_grads_func = finalize_model_grads  # the schedule calls it, with the step's token count
 optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0 if sharded else 0.0,
                                                    use_distributed_optimizer=sharded), [ddp])
 
@@ -207,10 +219,23 @@ def clip_gradients(max_norm):
 
 
 def forward_step(data_iterator, module):
-    """--pp: megatron-core's pipeline schedule calls this on every stage."""
+    """--pp, --loss megatron: megatron-core's schedule calls this on every stage."""
     mine, total_tokens = next(data_iterator)
     logits = module(mine["tokens"], mine["position_ids"], attention_mask=None)
-    return logits, partial(loss_of, mine, total_tokens)
+    return logits, partial(megatron_loss if args.loss == "megatron" else loss_of, mine, total_tokens)
+
+
+def megatron_loss(mine, total_tokens, logits):
+    """--loss megatron, as megatron's pretrain_gpt: the rank's token-loss sum, its token count, and
+    the sum and count to report (the whole batch's mean, dumped)."""
+    dumper.add("logits", "logits", logits, megalign.Sharding(dp_dim=0, seq_dim=1, tp_dim=2))
+    per_token = tensor_parallel.vocab_parallel_cross_entropy(logits, mine["labels"])
+    summed = (per_token * mine["loss_mask"]).sum()
+    tokens = mine["loss_mask"].sum().int()
+    reported = torch.stack([summed.detach(), tokens.float()])
+    dist.all_reduce(reported, group=dp_cp)
+    dumper.add("loss", "loss", reported[0] / reported[1])
+    return summed, tokens, {"lm loss": reported}
 
 
 def loss_of(mine, total_tokens, logits):
@@ -225,12 +250,13 @@ def loss_of(mine, total_tokens, logits):
 
 
 def pipeline_step(step):
-    """--pp: the step through megatron-core's pipeline schedule (the plain batch: not --packed)."""
+    """--pp, --loss megatron: the step through megatron-core's schedule (the plain batch: not --packed)."""
     mine, total_tokens = batch(step)
     get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(mine, total_tokens)]),
                                 model=[ddp], num_microbatches=1, seq_length=SEQ,
                                 micro_batch_size=mine["tokens"].shape[0])
-    finalize_model_grads([ddp])
+    if args.loss != "megatron":  # megatron's convention: the schedule finalizes, with the step's token count
+        finalize_model_grads([ddp])
 
 
 def step_without_schedule(step):
@@ -258,7 +284,7 @@ for step in range(3):
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
     with dumper.step(step):
-        if args.pp > 1:
+        if args.pp > 1 or args.loss == "megatron":
             pipeline_step(step)
         else:
             step_without_schedule(step)

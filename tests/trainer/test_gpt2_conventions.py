@@ -3,8 +3,10 @@ embedding's output shared by every row) under torch DDP and FSDP2 at their defau
 the gradients: with the loss each rank's token-loss sum over the whole batch's count times the world
 size, world 2 agrees with one process as written. The Dumper records each run's reduction
 (dump.json's grad_reduction), and compare divides the activation gradients by it; the position
-embedding's output gradient is each rank's partial sum over its rows. Each planted bug fails where
-it starts.
+embedding's output gradient is each rank's partial sum over its rows. The parameter gradients are
+read at the reduction and again as the optimizer steps on them (`#stepped`, where a clip changed
+them), so that a clip inside the step block and one after it agree, and a clip bug fails at its own
+step wherever it stands. Each planted bug fails where it starts.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
         "ddp1": (1, DDP), "ddp2": (2, DDP), "fsdp1": (1, FSDP2), "fsdp2": (2, FSDP2),
         "rank_mean": (2, (*DDP, "--bug", "rank-mean")), "unscaled": (2, (*FSDP2, "--bug", "unscaled")),
         "same_shard": (2, (*DDP, "--bug", "same-shard")),
-        "fsdp1_inside": (1, (*FSDP2, *INSIDE)), "fsdp2_inside": (2, (*FSDP2, *INSIDE)),
+        "fsdp2_inside": (2, (*FSDP2, *INSIDE)), "local_clip": (2, (*FSDP2, "--bug", "local-clip")),
         "local_clip_inside": (2, (*FSDP2, *INSIDE, "--bug", "local-clip"))})
 
 
@@ -43,7 +45,9 @@ def test_averaged_gradients_at_world_2_equal_one_process(dumps, one, two, by):
     assert f"grads summed ({by}, one rank)" in result.output
     assert f"grads /2 ({by}, mean of 2 ranks): act grads /2" in result.output
     assert re.search(r"act_grad +step2/transformer.wpe +1x8x32 .* PASS", result.output)
-    assert "345 compared, 345 passed, 0 failed\n" in result.output
+    # 28 parameters' gradients a step, as reduced and as the optimizer stepped on them (clipped)
+    assert re.search(r"param_grad +step0/transformer.wte.weight#stepped +67x32 .* PASS", result.output)
+    assert "429 compared, 429 passed, 0 failed\n" in result.output
 
 
 def test_a_shared_outputs_gradient_is_a_partial_sum_and_the_loss_a_partial_mean(dumps):
@@ -60,7 +64,9 @@ def test_a_shared_outputs_gradient_is_a_partial_sum_and_the_loss_a_partial_mean(
     ("rank_mean", "ddp1", "loss step0/loss"),  # each rank's own mean over its uneven mask
     ("unscaled", "fsdp1", "loss step0/loss"),  # averaged, but the loss not times the world size
     ("same_shard", "ddp1", "activation step0/transformer.wte"),  # both ranks on the first rank's rows
-    ("local_clip_inside", "fsdp1_inside", "param_grad step0/transformer.wte.weight"),  # the local shard's norm
+    # the local shard's norm, clipping inside the step block or after it, against a clip after it
+    ("local_clip_inside", "fsdp1", "param_grad step0/transformer.wte.weight#stepped"),
+    ("local_clip", "fsdp1", "param_grad step0/transformer.wte.weight#stepped"),
 ])
 def test_each_planted_bug_fails_where_it_starts(dumps, bug, one, first):
     result = invoke("compare", dumps[one], dumps[bug])
@@ -68,7 +74,17 @@ def test_each_planted_bug_fails_where_it_starts(dumps, bug, one, first):
     assert f"first divergence: {first}\n" in result.output
 
 
-def test_a_clip_inside_the_step_block_agrees_with_one_process(dumps):
-    """The twin of local_clip_inside's reference: clip_grad_norm_ over FSDP2's DTensors, inside step()."""
-    result = invoke("compare", dumps["fsdp1_inside"], dumps["fsdp2_inside"])
+def test_a_clip_inside_the_step_block_agrees_with_one_clipping_after_it(dumps):
+    """The twin of the local clips: clip_grad_norm_ over FSDP2's DTensors inside step(), against one
+    process clipping after it. Before the reduced gradients were read apart, the clip inside read as
+    every param_grad scaled."""
+    result = invoke("compare", dumps["fsdp1"], dumps["fsdp2_inside"])
     assert result.exit_code == 0, result.output
+
+
+def test_a_clip_after_the_step_block_shows_at_its_own_step(dumps):
+    """Before: the local clip after step() passed step 0 and showed at param step1/. Now the reduced
+    gradients agree and the ones the optimizer steps on fail."""
+    result = invoke("compare", dumps["fsdp1"], dumps["local_clip"])
+    assert re.search(r"param_grad +step0/transformer.wte.weight +67x32 .* PASS", result.output), result.output
+    assert re.search(r"param_grad +step0/transformer.wte.weight#stepped +67x32 .* FAIL", result.output)

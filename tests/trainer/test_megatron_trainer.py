@@ -5,7 +5,9 @@ sequence parallelism with TP=1, at every dumped step, activations included, with
 the classic CP bug (each rank's loss divided by its own token count) is caught at its first tensor,
 and a gradient clip whose norm is computed on the rank's own TP shard at the next step's parameters.
 Tokens from half the vocabulary at TP=2 (a vocabulary shard no token reaches) and at PP=2 (megatron-core's
-pipeline schedule) agree with one process; its MoE model at EP=2 agrees with EP=1.
+pipeline schedule) agree with one process; its MoE model at EP=2 agrees with EP=1. With megatron's own
+loss convention (the schedule and finalize_model_grads divide by the step's token count) CP=2 and
+DP=2 agree with one process, and the classic CP bug in that form fails at its first gradient.
 """
 
 from __future__ import annotations
@@ -63,6 +65,44 @@ def test_dumps_of_other_steps_are_compared_on_the_step_both_hold(dumps):
     result = invoke("compare", dumps["cp1"], dumps["cp2_bug"])
     assert result.exit_code == 1, result.output
     assert "first divergence: param step1/" in result.output and "loss step1/loss;" in result.output
+
+
+@pytest.fixture(scope="module")
+def megatron_loss_dumps(tmp_path_factory) -> dict[str, Path]:
+    """Steps 0 and 1 with megatron's own loss convention (--loss megatron): one process, CP=2, DP=2,
+    and CP=2 with calculate_per_token_loss left at megatron's default (cp-local-mean). Three at once."""
+    root = tmp_path_factory.mktemp("megatron_loss")
+    made = {name: root / name for name in ("one", "cp2", "dp2", "cp2_local_mean")}
+    loss = ("--loss", "megatron")
+    finish(start(made["one"], *loss, script=SCRIPT, steps="0,1", ranks=1),
+           start(made["cp2"], "--cp", "2", *loss, script=SCRIPT, steps="0,1"),
+           start(made["dp2"], "--cp", "1", *loss, script=SCRIPT, steps="0,1"))
+    finish(start(made["cp2_local_mean"], "--cp", "2", *loss, "--bug", "cp-local-mean", script=SCRIPT, steps="0,1"))
+    return made
+
+
+@pytest.mark.parametrize("run", ["cp2", "dp2"])
+def test_megatrons_own_loss_convention_agrees_with_one_process(megatron_loss_dumps, run):
+    """The loss function returns the rank's token-loss sum and count; finalize_model_grads divides the
+    summed gradients by the step's token count, which the Dumper records (grad_reduction.per_step), and
+    compare divides the activation gradients by it."""
+    reduction = megalign.open(megatron_loss_dumps[run]).meta["grad_reduction"]
+    assert reduction == {"divide_by": 1.0, "by": "megatron DDP, per-token loss", "per_step": {"0": 19.0, "1": 19.0}}
+    result = invoke("compare", megatron_loss_dumps["one"], megatron_loss_dumps[run])
+    assert result.exit_code == 0, result.output
+    assert "grads /tokens a step (megatron DDP, per-token loss): act grads /19, /19" in result.output
+    assert "198 compared, 198 passed, 0 failed\n" in result.output
+
+
+def test_each_cp_ranks_own_token_count_fails_at_the_first_gradient(megatron_loss_dumps):
+    """The classic CP bug in a user's loop: megatron's schedule divides each rank's sum by its own
+    count (calculate_per_token_loss off), DDP averages (recorded: mean of 2 ranks). The reported loss
+    is the whole batch's mean, right; the first gradient is off."""
+    assert megalign.open(megatron_loss_dumps["cp2_local_mean"]).meta["grad_reduction"] == {
+        "divide_by": 2.0, "by": "megatron DDP, mean of 2 ranks"}
+    result = invoke("compare", megatron_loss_dumps["one"], megatron_loss_dumps["cp2_local_mean"])
+    assert result.exit_code == 1, result.output
+    assert "first divergence: activation_grad step0/output_layer\n" in result.output
 
 
 CLIP = ("--clip", "1.5")  # the script's own clip: at both dumped steps some of the norms it sees exceed it

@@ -41,3 +41,12 @@ def test_partial_values_beside_a_split_are_refused_in_any_step(tmp_path):
         with dumper.step(5):
             dumper.add("loss", "loss", torch.ones(()), megalign.Sharding(partial="mean"))
     assert megalign.open(tmp_path / "d").tensor("loss", "loss").item() == 1.0
+
+
+def test_a_divisor_a_step_reads_back_and_a_malformed_one_is_bad_input():
+    """megatron's per-token loss: the step's token count, each step its own."""
+    record = GradReduction(1.0, "megatron DDP, per-token loss", ((0, 19.0), (1, 23.0)))
+    back = GradReduction.from_meta({"grad_reduction": record.to_dict()}, "dump.json")
+    assert back == record and (back.divisor(1), back.divisor(None)) == (23.0, 1.0)
+    with pytest.raises(Malformed, match="per_step must map steps"):
+        GradReduction.from_meta({"grad_reduction": {"divide_by": 1, "by": "x", "per_step": {"a": 2}}}, "dump.json")

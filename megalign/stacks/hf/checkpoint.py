@@ -15,7 +15,6 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from megalign.dump.format import layer_of
 from megalign.errors import UserError
 from megalign.spec import VOCAB_PARAMS, ModelConfig
 from megalign.stacks.hf.families import Family, family_of, model_config
@@ -43,8 +42,8 @@ def open_checkpoint(path: Path) -> HFCheckpoint:
     raw = _read_config(path / CONFIG)
     family = family_of(raw, str(path / CONFIG))
     model = model_config(raw, family, name=f"{family.model_type}:{path.name}", source=str(path / CONFIG))
-    checkpoint = HFCheckpoint(path=path, family=family, model=model, names=NameMap(family, model),
-                              files=_tensor_files(path))
+    names = NameMap(family, model, family.row_orders(raw, model))
+    checkpoint = HFCheckpoint(path=path, family=family, model=model, names=names, files=_tensor_files(path))
     _check_coverage(checkpoint)
     return checkpoint
 
@@ -88,8 +87,8 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 
 def _check_coverage(checkpoint: HFCheckpoint) -> None:
-    needed = {hf for _, parts in checkpoint.names.params().values() for hf in parts}
-    needed |= set(checkpoint.names.buffers.values())
+    needed = {hf for _, parts in checkpoint.names.params().values() for hf in parts} | \
+        set(checkpoint.names.buffers().values())
     # Some exports also save the tied copy of the embeddings as lm_head.weight.
     allowed = needed | ({"lm_head.weight"} if checkpoint.model.tie_embeddings else set())
     missing = sorted(needed - set(checkpoint.files))
@@ -97,16 +96,17 @@ def _check_coverage(checkpoint: HFCheckpoint) -> None:
         raise UserError(f"--hf {checkpoint.path}: {len(missing)} tensor(s) missing for {checkpoint.family.architecture}"
                         f": {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
     extra = sorted(n for n in set(checkpoint.files) - allowed
-                   if not n.endswith(IGNORED_SUFFIXES) and not _mtp(n, checkpoint.model.num_layers))
+                   if not n.endswith(IGNORED_SUFFIXES) and not _is_mtp(n, checkpoint.model.num_layers))
     if extra:
         raise UserError(f"--hf {checkpoint.path}: tensor(s) the {checkpoint.family.architecture} mapping cannot "
                         f"place: {', '.join(extra[:4])}" + (" ..." if len(extra) > 4 else ""))
 
 
-def _mtp(name: str, num_layers: int) -> bool:
-    """GLM-4.5's and DeepSeek-V3's multi-token-prediction layers follow the decoder's as layers
-    num_hidden_layers and on; transformers' CausalLM never builds them, and neither does megalign."""
-    return name.startswith("model.layers.") and layer_of(name) >= num_layers
+def _is_mtp(name: str, layers: int) -> bool:
+    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layers follow the decoder's, as
+    model.layers.{num_hidden_layers}...: neither stack's forward reads them."""
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= layers
 
 
 def read_tensors(checkpoint: HFCheckpoint, names) -> list[torch.Tensor]:
@@ -119,11 +119,11 @@ def read_tensors(checkpoint: HFCheckpoint, names) -> list[torch.Tensor]:
 
 def megatron_weights(checkpoint: HFCheckpoint) -> Callable[[str, tuple], torch.Tensor]:
     """The `full(global_name, full_shape)` that shard.from_full cuts to each rank's shard."""
-    params = checkpoint.names.params()
+    params, buffers = checkpoint.names.params(), checkpoint.names.buffers()
 
     def full(name: str, shape: tuple) -> torch.Tensor:
-        if name in checkpoint.names.buffers:
-            return read_tensors(checkpoint, [checkpoint.names.buffers[name]])[0]
+        if name in buffers:
+            return read_tensors(checkpoint, [buffers[name]])[0]
         if name not in params:
             raise UserError(f"--hf {checkpoint.path}: the {checkpoint.family.architecture} mapping has no source "
                             f"for megatron parameter {name}")

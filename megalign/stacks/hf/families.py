@@ -33,9 +33,10 @@ class Rule:
     # "output": the HF module's output; "input": its first input (forward pre-hook), for computations
     # that are a module in one stack and a bare function in the other.
     on: str = "output"
-    # Which layers hold it: "all", or "dense" / "moe" where the first layers keep a dense MLP (GLM-4.5).
-    layers: str = "all"
+    layers: str = "all"  # "dense" or "moe": a rule of only the dense or only the MoE layers (moe_layer_freq)
     when: Optional[str] = None  # a ModelConfig flag the module exists under (GLM's use_qk_norm is optional)
+    # Buffers loaded with the weights, (megatron's name, HF's) under the modules': no gradient, no output.
+    buffers: tuple[tuple[str, str], ...] = ()
 
     def expand(self, layer: int, expert: int = 0) -> "Rule":
         return replace(self, megatron=self.megatron.format(i=layer, e=expert),
@@ -64,33 +65,25 @@ class Experts:
     gate: str
     up: str
     down: str
-    # GLM-4.5's shared expert (`mlp.shared_experts`, a gate/up/down MLP): megatron's shared_experts.
-    shared: bool = False
-    # The router's bias added to the scores for the choice only (`gate.e_score_correction_bias`, a
-    # buffer): megatron's router.expert_bias buffer.
-    expert_bias: bool = False
+    # DeepSeek's MoE (GLM-4.5's too): a shared expert (`mlp.shared_experts`, a gate/up/down MLP, megatron's
+    # shared_experts) and the router's bias added to the scores for the choice only
+    # (`gate.e_score_correction_bias`, a buffer: megatron's router.expert_bias buffer).
+    deepseek: bool = False
 
     def rules(self) -> tuple[Rule, ...]:
         moe, experts = f"{_L}.{self.block}", f"{_L}.{self.block}.experts.{{e}}"
         shared = f"{moe}.shared_experts"
         return tuple(replace(rule, layers="moe") for rule in (
             # Routing is written by the router's own hook (worker.py), as kind `routing`.
-            Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None),
+            Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None,
+                 buffers=(("expert_bias", "e_score_correction_bias"),) if self.deepseek else ()),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc1", (f"{experts}.{self.gate}", f"{experts}.{self.up}"), join="cat",
                  activation=None),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc2", (f"{experts}.{self.down}",), activation=None),
             *((Rule(f"{_M}.mlp.shared_experts.linear_fc1", (f"{shared}.gate_proj", f"{shared}.up_proj"), join="cat"),
                Rule(f"{_M}.mlp.shared_experts.linear_fc2", (f"{shared}.down_proj",)),
-               Rule(f"{_M}.mlp.shared_experts", (shared,), params=False)) if self.shared else ()),
+               Rule(f"{_M}.mlp.shared_experts", (shared,), params=False)) if self.deepseek else ()),
         ))
-
-    def buffers(self, layer: int) -> dict[str, str]:
-        """The MoE layer's buffers a checkpoint holds: megatron name -> HF name. A loader that sets only
-        parameters would leave megatron's expert_bias at zeros, routing as if unbiased."""
-        if not self.expert_bias:
-            return {}
-        return {f"decoder.layers.{layer}.mlp.router.expert_bias":
-                f"model.layers.{layer}.{self.block}.gate.e_score_correction_bias"}
 
     def checkpoint_grads(self, name: str, grad: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         """An in-memory parameter's gradient under the checkpoint's names (the experts unfused)."""
@@ -145,17 +138,46 @@ QWEN2_RULES = LLAMA_RULES
 QWEN3_RULES = _decoder_rules(qk_norm=True)
 QWEN3_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", gate="w1", up="w3", down="w2")
-GLM4_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared=True,
-                           expert_bias=True)
+DEEPSEEK_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", deepseek=True)
+
+
+def _deepseek_v3_rules(q_lora: bool) -> tuple[Rule, ...]:
+    """Multi-latent attention, then the dense MLP in the first first_k_dense_replace layers and in the
+    others the MoE block: its router (with the score-correction bias, a buffer), routed experts and
+    shared experts. `q_lora`: q_lora_rank set (q_a_proj, q_a_layernorm, q_b_proj), else one q_proj."""
+    attn, sa = f"{_L}.self_attn", f"{_M}.self_attention"
+    query = (Rule(f"{sa}.linear_q_down_proj", (f"{attn}.q_a_proj",)),
+             Rule(f"{sa}.q_layernorm", (f"{attn}.q_a_layernorm",)),
+             Rule(f"{sa}.linear_q_up_proj", (f"{attn}.q_b_proj",))) if q_lora else \
+        (Rule(f"{sa}.linear_q_proj", (f"{attn}.q_proj",)),)
+    llama = {rule.megatron: rule for rule in _decoder_rules()}
+    dense = [llama[name] for name in (f"{_M}.mlp.linear_fc1", f"{_M}.mlp.linear_fc2#input", f"{_M}.mlp.linear_fc2")]
+    return (
+        llama["embedding.word_embeddings"], llama[f"{_M}.input_layernorm"], *query,
+        Rule(f"{sa}.linear_kv_down_proj", (f"{attn}.kv_a_proj_with_mqa",)),
+        Rule(f"{sa}.kv_layernorm", (f"{attn}.kv_a_layernorm",)),
+        Rule(f"{sa}.linear_kv_up_proj", (f"{attn}.kv_b_proj",)),
+        *(llama[name] for name in (f"{sa}.core_attention", f"{sa}.linear_proj", sa, f"{_M}.pre_mlp_layernorm")),
+        *DEEPSEEK_EXPERTS.rules(), *dense,
+        *(llama[name] for name in (f"{_M}.mlp", _M, "decoder.final_layernorm", "output_layer")),
+    )
 
 
 @dataclass(frozen=True)
 class Family:
     model_type: str  # config.json's model_type
     architecture: str  # config.json's architectures[0]
-    rules: tuple[Rule, ...]
+    # The table, or a function of the model giving it where the modules depend on the config.
+    rules: tuple[Rule, ...] | Callable[[ModelConfig], tuple[Rule, ...]]
     config: Callable[[dict, str], dict] = field(repr=False)  # family-specific ModelConfig fields
     experts: Optional[Experts] = None  # MoE families
+    # config.json, ModelConfig -> {a megatron module's last name: the order of its HF rows}, where megatron
+    # reads a weight's rows in another order than the checkpoint lays them out (namemap.py applies it).
+    row_orders: Callable[[dict, ModelConfig], dict[str, torch.Tensor]] = field(default=lambda raw, model: {},
+                                                                                repr=False)
+
+    def rules_of(self, model: ModelConfig) -> tuple[Rule, ...]:
+        return self.rules(model) if callable(self.rules) else self.rules
 
 
 def _llama(raw: dict, source: str) -> dict:
@@ -194,36 +216,69 @@ def _mixtral(raw: dict, source: str) -> dict:
 
 
 def _glm4_moe(raw: dict, source: str) -> dict:
+    """GLM-4.5: Llama's attention biased on q/k/v only (attention_bias leaves o_proj unbiased), Qwen3's
+    per-head q/k norms when use_qk_norm, RoPE on part of each head, DeepSeek's MoE."""
+    return {"add_qkv_bias": bool(raw.get("attention_bias", False)), "qk_layernorm": bool(raw.get("use_qk_norm", False)),
+            "rotary_percent": float(_rope(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))),
+            **_deepseek_moe(raw, source, first_dense=1),
+            # transformers keeps this router's weight and bias in float32 (_keep_in_fp32_modules_strict) and
+            # scores in float32.
+            "moe_router_fp32": True}
+
+
+def _deepseek_v3(raw: dict, source: str) -> dict:
+    """MLA and DeepSeek's MoE."""
+    if raw.get("quantization_config"):
+        # DeepSeek-V3's published weights are FP8 blocks with weight_scale_inv beside them: read as they are,
+        # they would be compared as numbers they are not.
+        raise UserError(f"{source}: quantized weights ({raw['quantization_config'].get('quant_method', '?')}) are "
+                        "not read; dequantise to bf16 or fp32 first")
+    if raw.get("attention_bias"):
+        raise UserError(f"{source}: attention_bias=true biases the MLA projections, which the mapping cannot express")
+    return {**_deepseek_moe(raw, source, first_dense=0),
+            "num_query_groups": raw["num_attention_heads"], "kv_channels": raw["v_head_dim"],
+            "multi_latent_attention": True, "q_lora_rank": raw.get("q_lora_rank"),
+            "kv_lora_rank": raw["kv_lora_rank"], "qk_head_dim": raw["qk_nope_head_dim"],
+            "qk_pos_emb_head_dim": raw["qk_rope_head_dim"], "v_head_dim": raw["v_head_dim"],
+            "qk_layernorm": True}
+
+
+def _deepseek_moe(raw: dict, source: str, first_dense: int) -> dict:
+    """DeepSeek's MoE (GLM-4.5's too): sigmoid scores, the score-correction bias choosing (not weighting) the
+    experts, group-limited top-k, the chosen weights renormalised and scaled, shared experts, the first
+    first_k_dense_replace layers dense. `first_dense`: the family's default first_k_dense_replace."""
     if raw.get("n_shared_experts", 1) < 1:
-        raise UserError(f"{source}: n_shared_experts={raw['n_shared_experts']}: the GLM-4.5 mapping needs a "
-                        "shared expert")
-    return {**_glm_attention(raw), **_moe(raw, source, ffn="moe_intermediate_size"),
-            **_sigmoid_router(raw, source), "moe_dense_layers": raw.get("first_k_dense_replace", 1),
-            "moe_shared_expert_intermediate_size": raw["moe_intermediate_size"] * raw.get("n_shared_experts", 1),
-            "rotary_percent": float(_rope(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5)))}
-
-
-def _glm_attention(raw: dict) -> dict:
-    """GLM-4.5's attention: Llama's, biased on q/k/v only (attention_bias leaves o_proj unbiased), with
-    Qwen3's per-head q/k norms when use_qk_norm."""
-    return {"add_qkv_bias": bool(raw.get("attention_bias", False)), "qk_layernorm": bool(raw.get("use_qk_norm", False))}
-
-
-def _sigmoid_router(raw: dict, source: str) -> dict:
-    """DeepSeek-style routing: sigmoid scores, the choice made on scores + e_score_correction_bias
-    within the best groups, the weights the chosen scores renormalised and scaled."""
+        raise UserError(f"{source}: n_shared_experts={raw['n_shared_experts']}: the mapping needs a shared expert")
     if not raw.get("norm_topk_prob", True):
-        raise UserError(f"{source}: norm_topk_prob=false with sigmoid scoring: megatron-core always renormalises "
-                        "the chosen scores")
-    groups, keep, topk = raw.get("n_group", 1) or 1, raw.get("topk_group", 1) or 1, raw["num_experts_per_tok"]
-    if groups > 1 and topk // keep != 2:
-        raise UserError(f"{source}: n_group={groups} with num_experts_per_tok // topk_group = {topk // keep}: "
-                        "transformers scores a group by its top 2 experts, megatron-core by its top "
-                        "num_experts_per_tok // topk_group")
-    # transformers keeps this router's weight and bias in float32 (_keep_in_fp32_modules_strict) and scores in float32.
-    return {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True, "moe_router_fp32": True,
+        raise UserError(f"{source}: norm_topk_prob=false with sigmoid scores: megatron always renormalises the "
+                        "chosen experts' weights")
+    topk, groups, group_topk = raw["num_experts_per_tok"], raw.get("n_group") or 1, raw.get("topk_group") or 1
+    if groups > 1 and topk // group_topk != 2:
+        raise UserError(f"{source}: group-limited routing with num_experts_per_tok // topk_group = "
+                        f"{topk} // {group_topk} != 2: transformers ranks groups by their top 2 scores, megatron "
+                        f"by their top {topk // group_topk}")
+    layers, dense = raw["num_hidden_layers"], raw.get("first_k_dense_replace", first_dense)
+    return {**_moe(raw, source, ffn="moe_intermediate_size"),
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_topk_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
-            **({"moe_router_num_groups": groups, "moe_router_group_topk": keep} if groups > 1 else {})}
+            "moe_shared_expert_intermediate_size": raw["moe_intermediate_size"] * raw.get("n_shared_experts", 1),
+            **({"moe_router_num_groups": groups, "moe_router_group_topk": group_topk} if groups > 1 else {}),
+            "moe_layer_freq": [0] * min(dense, layers) + [1] * max(layers - dense, 0)}
+
+
+def _mla_rope_rows(raw: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """megatron's MLA always reads the rope part of the query and key as interleaved pairs (x0, x1), (x2, x3)...
+    and de-interleaves them; with rope_interleave=false transformers rotates the halves (x_i, x_{i+d/2}). The
+    rope rows of q_b_proj (or q_proj; per head) and kv_a_proj_with_mqa are interleaved so that megatron computes
+    the same."""
+    if raw.get("rope_interleave", True):
+        return {}
+    rope, nope = model.qk_pos_emb_head_dim, model.qk_head_dim
+    pairs = torch.arange(rope).view(2, -1).t().flatten()  # 0, d/2, 1, d/2 + 1, ...
+    head = torch.cat([torch.arange(nope), nope + pairs])
+    query = "linear_q_up_proj" if model.q_lora_rank is not None else "linear_q_proj"
+    return {query: torch.cat([h * (nope + rope) + head for h in range(model.num_attention_heads)]),
+            "linear_kv_down_proj": torch.cat([torch.arange(model.kv_lora_rank), model.kv_lora_rank + pairs])}
 
 
 def _moe(raw: dict, source: str, ffn: str) -> dict:
@@ -252,8 +307,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts=QWEN3_MOE_EXPERTS),
     Family("mixtral", "MixtralForCausalLM", _decoder_rules(experts=MIXTRAL_EXPERTS), _mixtral,
            experts=MIXTRAL_EXPERTS),
-    Family("glm4_moe", "Glm4MoeForCausalLM", _decoder_rules(qk_norm=True, experts=GLM4_MOE_EXPERTS), _glm4_moe,
-           experts=GLM4_MOE_EXPERTS),
+    Family("glm4_moe", "Glm4MoeForCausalLM", _decoder_rules(qk_norm=True, experts=DEEPSEEK_EXPERTS), _glm4_moe,
+           experts=DEEPSEEK_EXPERTS),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", lambda model: _deepseek_v3_rules(model.q_lora_rank is not None),
+           _deepseek_v3, experts=DEEPSEEK_EXPERTS, row_orders=_mla_rope_rows),
 )}
 
 
@@ -284,9 +341,9 @@ def model_config(raw: dict, family: Family, name: str, source: str) -> ModelConf
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             position_embedding="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
         )
+        fields.update(family.config(raw, source))
     except KeyError as e:
         raise UserError(f"{source}: config.json has no {e.args[0]!r}") from None
-    fields.update(family.config(raw, source))
     return ModelConfig.from_dict(fields, source=source)
 
 

@@ -29,47 +29,52 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int, dim
     return grouped.reshape(-1, *rest).movedim(0, dim)
 
 
-def _holds(model: ModelConfig, rule: Rule, layer: int) -> bool:
-    return rule.layers == "all" or (rule.layers == "moe") == model.is_moe_layer(layer)
-
-
 class NameMap:
     """A family's rules expanded over the layers of one model."""
 
-    def __init__(self, family: Family, model: ModelConfig):
+    def __init__(self, family: Family, model: ModelConfig, row_orders: Optional[dict[str, torch.Tensor]] = None):
         self.model = model
+        self.row_orders = row_orders or {}  # Family.row_orders
         # Layer by layer, in the table's order: the order of megatron's parameters and module outputs.
         self.rules: list[Rule] = []
         block: list[Rule] = []
-        for rule in family.rules + (None,):
+        for rule in family.rules_of(model) + (None,):
             if rule is not None and rule.when is not None and not getattr(model, rule.when):
                 continue
             if rule is not None and rule.per_layer:
                 block.append(rule)
                 continue
             experts = range(model.num_moe_experts or 1)
-            self.rules += [r.expand(i, e) for i in range(model.num_layers) for r in block if _holds(model, r, i)
+            self.rules += [r.expand(i, e) for i in range(model.num_layers) for r in block
+                           if r.layers == "all" or (r.layers == "moe") == model.is_moe_layer(i)
                            for e in (experts if r.per_expert else (0,))]
             block = []
             if rule is not None:
                 self.rules.append(rule)
         self._by_hf_module = {(hf, rule.on): rule for rule in self.rules for hf in rule.hf}
-        # Buffers the checkpoint holds and megatron needs loaded (not parameters: no gradient): megatron -> HF.
-        self.buffers: dict[str, str] = {} if family.experts is None else {
-            megatron: hf for i in range(model.num_layers) if model.is_moe_layer(i)
-            for megatron, hf in family.experts.buffers(i).items()}
 
     def rule_for_hf_module(self, hf_module: str, on: str = "output") -> Optional[Rule]:
         """The rule that writes `hf_module`'s output (or, on="input", its first input)."""
         return self._by_hf_module.get((hf_module, on))
 
     def join(self, rule: Rule, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The HF parts as megatron's tensor; a weight's rows, its gradient's and its output's last dim alike."""
+        order = self.row_orders.get(rule.megatron.rsplit(".", 1)[-1])
+        joined = self._join(rule, parts, dim)
+        return joined if order is None else joined.index_select(dim, order.to(joined.device))
+
+    def _join(self, rule: Rule, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
         if rule.join == "qkv":
             return fuse_qkv(*parts, groups=self.model.num_query_groups, dim=dim)
         if rule.join == "cat":
             return torch.cat(parts, dim=dim)
         (only,) = parts
         return only
+
+    def buffers(self) -> dict[str, str]:
+        """Every megatron buffer loaded with the weights -> the HF tensor it is read from."""
+        return {f"{rule.megatron}.{ours}": f"{hf}.{theirs}" for rule in self.rules
+                for ours, theirs in rule.buffers for hf in rule.hf}
 
     def params(self) -> dict[str, tuple[Rule, tuple[str, ...]]]:
         """Every megatron parameter of the model -> (its rule, the HF tensors it is joined from)."""

@@ -143,6 +143,8 @@ class HFCapture:
 
     def _part(self, rule: Rule, name: str, tensor: torch.Tensor) -> None:
         parts = self.pending.setdefault(rule.megatron, {})
+        if tensor.ndim == 4 and tensor.shape[1] == 1:
+            tensor = tensor.squeeze(1)  # MLA's kv latent, viewed as one head [b, 1, s, r]: kv_b_proj's output too
         parts[name] = tensor.detach().transpose(0, 1)  # HF's [b, s, ...] -> megatron's [s, b, ...]
         if len(parts) < len(rule.hf):
             return

@@ -211,6 +211,46 @@ def _thd_partitioned_indices():
     utils.tex = types.SimpleNamespace(thd_get_partitioned_indices=thd_get_partitioned_indices)
 
 
+def _mla_core_attention():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
+
+    init = MLASelfAttention.__init__
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        # MLA's keys are qk_head_dim + qk_pos_emb_head_dim wide and its values v_head_dim: the local
+        # attention sizes both from kv_channels and refuses the two widths; megalign's takes them.
+        if submodules.core_attention is DotProductAttention:
+            submodules.core_attention = ZigzagCPAttention
+        init(self, config, submodules, *args, **kwargs)
+
+    MLASelfAttention.__init__ = __init__
+
+
+def _mla_norms_without_q_lora():
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+
+    resolve = QKNormConfigResolver.resolve
+
+    def resolve_without_q_lora(self):
+        # Without q_lora_rank there is no q latent to norm: the resolver refuses the local spec's q norm, then
+        # asks for TE's fused norm+linear on linear_q_proj. The plain linear and the spec's kv norm compute
+        # what transformers does.
+        if self.has_q_lora or self.is_dsa or not self.config.qk_layernorm or \
+                self._is_fused_norm_linear(self.submodules.linear_q_proj):
+            return resolve(self)
+        return self._result(
+            linear_q_proj=self._non_fused_or_default(self.submodules.linear_q_proj, "linear_q_proj"),
+            linear_q_up_proj=IdentityOp, q_layernorm=IdentityOp,
+            linear_kv_up_proj=self._non_fused_or_default(self.submodules.linear_kv_up_proj, "linear_kv_up_proj"),
+            kv_layernorm=self.submodules.kv_layernorm)
+
+    QKNormConfigResolver.resolve = resolve_without_q_lora
+
+
 def _on_cpu(schedule, cuda_type_names: bool = False):
     """Run a schedule (or any megatron function) with `device="cuda"` allocations, `.cuda()` and pinned memory sent to the CPU.
     `cuda_type_names`: a CPU tensor's `.type()` also answers `torch.cuda.FloatTensor` (and so on) inside the call, for the
@@ -260,6 +300,19 @@ THD_PARTITION = Patch(("megatron.core.utils:tex",),
                       "thd_get_partitioned_indices; without TE, the same indices computed in torch",
                       _thd_partitioned_indices)
 
+MLA_CORE_ATTENTION = Patch(("megatron.core.transformer.multi_latent_attention:MLASelfAttention.__init__",
+                            "megatron.core.transformer.dot_product_attention:DotProductAttention"),
+                           "MLASelfAttention passes k_channels/v_channels to its core attention, which the local "
+                           "DotProductAttention does not take (a TypeError at build)", _mla_core_attention)
+
+MLA_NORMS_WITHOUT_Q_LORA = Patch(
+    ("megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver.resolve",
+     "megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver._non_fused_or_default",
+     "megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver._is_fused_norm_linear",
+     "megatron.core.transformer.mla_qk_norm_config:QKNormConfigResolver._result"),
+    "with q_lora_rank null the MLA norm resolver asks for TransformerEngine's fused norm+linear "
+    "(transformer/mla_qk_norm_config.py)", _mla_norms_without_q_lora)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(("torch.cuda:current_device",), "model build asks for the current CUDA device", _cpu_current_device),
     Patch(("megatron.core.tensor_parallel.random:CudaRNGStatesTracker",
@@ -292,6 +345,8 @@ PATCHES: tuple[Patch, ...] = (
     NO_COMPILE,
     UNEVEN_COLLECTIVES,
     THD_PARTITION,
+    MLA_CORE_ATTENTION,
+    MLA_NORMS_WITHOUT_Q_LORA,
 )
 
 _applied = False

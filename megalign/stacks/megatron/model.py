@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megalign.capture.ddp_grads import tp_group
 from megalign.capture.megatron_adapter import mask_vocab_padding, param_sharding
@@ -27,7 +27,9 @@ from megalign.stacks.shard import ParamShard, WeightSource
 
 def transformer_config(spec: RunSpec) -> TransformerConfig:
     model, layout, dtype = spec.model, spec.layout, PRECISION_DTYPES[spec.dtype]
-    return TransformerConfig(
+    config_class, mla = (MLATransformerConfig, _mla_config(model)) if model.multi_latent_attention \
+        else (TransformerConfig, {})
+    return config_class(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,
@@ -42,7 +44,7 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         use_cpu_initialization=True, perform_initialization=False,
         # The loss function normalises (see loss.py), so megatron must neither average nor rescale.
         calculate_per_token_loss=True,
-        **_moe_config(spec),
+        **_moe_config(spec), **mla,
         # Fusions go through torch.compile (about 20 s cold) and are not what is being compared.
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -64,10 +66,21 @@ def _moe_config(spec: RunSpec) -> dict:
         expert_tensor_parallel_size=spec.layout.expert_tp,
         moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
         moe_enable_routing_replay=spec.routing_replay is not None,
-        moe_layer_freq=model.moe_layer_freq, moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-        moe_router_dtype="fp32" if model.moe_router_fp32 else None,
+        moe_layer_freq=model.moe_layer_freq or 1,
         moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_router_dtype="fp32" if model.moe_router_fp32 else None,
+        # megatron moves the expert bias in finalize_model_grads after every step, transformers never: frozen,
+        # so that step 2 onward of a multi-step pair still computes what the other stack does.
+        **({"moe_router_bias_update_rate": 0.0} if model.moe_router_enable_expert_bias else {}),
     )
+
+
+def _mla_config(model: ModelConfig) -> dict:
+    # Plain RoPE over the qk_pos_emb_head_dim part; qk_layernorm (the family sets it) norms the q and kv latents.
+    return dict(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+                qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim, rope_type="rope",
+                rotary_base=model.rotary_base)
 
 
 def attention_backend(spec: RunSpec) -> str:
@@ -89,37 +102,50 @@ def layer_spec(spec: RunSpec, config: TransformerConfig):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.model.qk_layernorm)
-    layer = _local_layer(spec, backend, spec.model.num_moe_experts)
-    if not spec.layout.sp and not spec.model.moe_dense_layers:
-        return layer
-    # The block is spelled out for dense layers among MoE ones (a spec per layer of this stage) and,
-    # under SP, to reach the final norm: the norms in the sequence-parallel region (the layers' and the
-    # final one) mark their weights for finalize_model_grads' all-reduce over TP.
-    from megatron.core.transformer.transformer_block import (LayerNormImpl, TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from megalign.stacks.megatron.norm import SequenceParallelNorm
-
-    dense = _local_layer(spec, backend, None) if spec.model.moe_dense_layers else layer
-    offset = get_transformer_layer_offset(config)
-    layers = [layer if spec.model.is_moe_layer(offset + i) else dense for i in range(get_num_layers_to_build(config))]
-    return TransformerBlockSubmodules(layer_specs=layers,
-                                      layer_norm=SequenceParallelNorm if spec.layout.sp else LayerNormImpl)
-
-
-def _local_layer(spec: RunSpec, backend: str, experts):
-    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False,
+    if spec.model.moe_layer_freq is not None or spec.model.multi_latent_attention:
+        return _mixed_block_spec(spec, config, backend)
+    layer = get_gpt_layer_local_spec(num_experts=spec.model.num_moe_experts, moe_grouped_gemm=False,
                                      qk_layernorm=spec.model.qk_layernorm, normalization=spec.model.normalization)
     if backend == "torch":
         from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
 
         layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
-    if spec.layout.sp:
-        from megalign.stacks.megatron.norm import SequenceParallelNorm
+    if not spec.layout.sp:
+        return layer
+    # The norms in the sequence-parallel region (the layers' and the final one) mark their weights for
+    # finalize_model_grads' all-reduce over TP; the block is spelled out to reach the final norm.
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
-    return layer
+    from megalign.stacks.megatron.norm import SequenceParallelNorm
+
+    layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelNorm)
+
+
+def _mixed_block_spec(spec: RunSpec, config: TransformerConfig, backend: str):
+    """Dense and MoE layers in one model (moe_layer_freq), or MLA: megatron's own block spec, local modules.
+    MLA's core attention is megalign's torch one on the CPU (cpu_patches.MLA_CORE_ATTENTION)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=spec.model.normalization)
+    for layer in block.layer_specs:
+        if backend == "torch":
+            from megalign.stacks.megatron.cp_attention import ZigzagCPAttention
+
+            layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
+        if spec.layout.sp:
+            from megalign.stacks.megatron.norm import SequenceParallelNorm
+
+            # MLA scatters its q and kv latents over the sequence too: their norms' weights see a part of it.
+            attention = layer.submodules.self_attention.submodules
+            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm
+            for norm in ("q_layernorm", "kv_layernorm"):
+                if hasattr(attention, norm):
+                    setattr(attention, norm, SequenceParallelNorm)
+    if spec.layout.sp:
+        block.layer_norm = SequenceParallelNorm
+    return block
 
 
 def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
@@ -140,11 +166,18 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
     return model
 
 
-def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSource) -> None:
-    """Set every parameter from `weights(global_name, its ParamShard)`."""
+# Buffers that are part of the model's weights: DeepSeek-V3's and GLM-4.5's expert bias picks the experts.
+# A loader that sets only parameters leaves it zero and routes otherwise, silently.
+LOADED_BUFFERS = (".mlp.router.expert_bias",)
+
+
+def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSource, buffers: bool = True) -> None:
+    """Set every parameter, and the LOADED_BUFFERS (unless `buffers` is False: a planted loader bug), from
+    `weights(global_name, its ParamShard)`."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    loaded = [(local, buffer) for local, buffer in model.named_buffers() if buffers and local.endswith(LOADED_BUFFERS)]
     with torch.no_grad():
-        for local, param in model.named_parameters():
+        for local, param in [*model.named_parameters(), *loaded]:
             name = global_name(model, local)
             if is_duplicate_embedding(name, param):
                 name = "embedding.word_embeddings.weight"
@@ -154,17 +187,6 @@ def load_weights(model: GPTModel, model_config: ModelConfig, weights: WeightSour
             if sharding.tp_dim is not None:
                 shape[sharding.tp_dim] *= tp_size
             param.copy_(weights(name, ParamShard(tuple(shape), sharding, tp_rank, tp_size, param.dtype, param.device)))
-        if model_config.moe_router_enable_expert_bias:
-            _load_expert_bias(model, weights)
-
-
-def _load_expert_bias(model: GPTModel, weights: WeightSource) -> None:
-    """The routers' expert_bias, a buffer (float32, whole on every rank): setting only parameters
-    would leave it at zeros and route every token as if unbiased."""
-    for local, buffer in model.named_buffers():
-        if local.endswith(".router.expert_bias"):
-            buffer.copy_(weights(global_name(model, local), ParamShard(tuple(buffer.shape), dtype=buffer.dtype,
-                                                                       device=buffer.device)))
 
 
 def _tp_size(param: torch.nn.Parameter) -> int:

@@ -81,7 +81,9 @@ def _run(spec: RunSpec, rank: int) -> None:
         from megalign.stacks.hf.checkpoint import megatron_weights, open_checkpoint
         from megalign.stacks.shard import from_full
 
-        load_weights(model, spec.model, _planted_weights(from_full(megatron_weights(open_checkpoint(Path(spec.hf))))))
+        # MEGALIGN_FAULT=parameters-only plants a loader that sets only parameters (DeepSeek-V3: expert bias 0).
+        load_weights(model, spec.model, _planted_weights(from_full(megatron_weights(open_checkpoint(Path(spec.hf))))),
+                     buffers=os.environ.get("MEGALIGN_FAULT") != "parameters-only")
     else:
         load_weights(model, spec.model, _planted_weights(seeded_weights(spec.seed, spec.model.init_method_std)))
     if spec.save:

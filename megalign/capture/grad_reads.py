@@ -1,0 +1,141 @@
+"""A step's parameter gradients read where a clip cannot hide in them: once the gradient reduction
+completes (the step's param_grad), and again as the optimizer steps on them, kept only where they
+differ (`param_grad <name>#stepped`: a clip, or anything else done to them in between).
+
+Read at the end of `step()` alone, a clip placed after the step block was never seen: a clip by the
+local shard's norm showed at the next step's parameters only. Read at the reduction alone, a clip
+inside the block and one after it read alike, but neither clip is seen. So both: the reduced values
+line up between runs wherever each clips, and the values the optimizer steps on show the clip at its
+own step.
+
+When the reduction completes: torch DDP's reducer waits for its all-reduce in a final callback of
+the autograd engine, queued during backward when its last bucket is ready; FSDP2 waits for its
+reduce-scatter in `_root_post_backward_final_callback`, queued from the pre-backward hook on its
+root's outputs (torch 2.13, _fsdp_state.py). The engine runs the final callbacks in the order
+queued, and one queued by a running callback after every other: ours is queued from a hook on the
+watched model's outputs during backward, and queues the read when it runs. A one-rank model's
+gradients are final at the same point. Elsewhere the reduction is the loop's own (an all_reduce of
+`.grad` after backward): the gradients are read at the end of the step block, as before, and so are
+megatron-core DDP's, which reduces in finalize_model_grads.
+
+As the optimizer steps on them: torch.optim's global step pre-hook, the first after the step block
+(an optimizer stepped inside the block steps on what the block's end reads). A loop without a torch
+optimizer is read at the block's end.
+
+Compared: a fingerprint of every gradient this rank holds (its sum and sum of squares in float64; a
+scale other than 1 moves both), one read-back a read. Where the rank's gradients changed, every one
+is written again; the same loop on the other side writes them too, and a run that clips where the
+other does not fails at the first (compare fails a tensor on one side only).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.autograd import Variable
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from megalign.capture.dtensor import is_dtensor
+from megalign.dump.format import STEPPED
+
+
+class GradReads:
+    """The reads of one Dumper. `record(suffix)` writes every watched gradient held (param_grad,
+    named with `suffix`) and returns the orders written; `grads()` gives them; `discard(orders)`
+    leaves records out; `live()`: whether the current step is written; `in_backward()`: whether the
+    gradients are reduced by the end of backward (a watched torch DDP or FSDP2, or one DP rank)."""
+
+    def __init__(self, record: Callable[[str], range], grads: Callable[[], list[torch.Tensor]],
+                 discard: Callable[[range], None], live: Callable[[], bool], in_backward: Callable[[], bool]):
+        self._record, self._grads, self._discard, self._live = record, grads, discard, live
+        self._in_backward = in_backward
+        self._handles: list = []
+        self._queued = False
+        self.awaiting = False  # a written step ended whose optimizer has not stepped yet
+        self._begin()
+
+    def _begin(self) -> None:
+        self._reduced: Optional[tuple[range, torch.Tensor]] = None
+        self._stepped: Optional[tuple[range, torch.Tensor]] = None
+
+    @property
+    def watching(self) -> bool:
+        """Whether a torch model is watched (megatron-core's are read at the step's end alone)."""
+        return len(self._handles) > 1
+
+    def watch(self, module: torch.nn.Module, on_optimizer: Callable[[], None]) -> None:
+        """Read after every backward through `module`'s outputs; `on_optimizer()` before any torch
+        optimizer steps."""
+        if not self._handles:
+            self._handles.append(register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: on_optimizer()))
+        self._handles.append(module.register_forward_hook(self._on_outputs))
+
+    def begin_step(self) -> None:
+        self._begin()
+        self._queued = self.awaiting = False  # a backward that raised ran no final callback
+
+    def end_step(self) -> None:
+        """The step block ended: the reduced gradients where backward did not read them, else what
+        the optimizer would step on now; then awaiting the optimizer's step."""
+        if self._reduced is None:
+            self._reduced = (self._record(""), _fingerprint(self._grads()))
+        else:
+            self.stepped()
+        self.awaiting = True
+
+    def stepped(self) -> None:
+        """The gradients as they are now, written where they differ from the last written."""
+        now = _fingerprint(self._grads())
+        last = (self._stepped or self._reduced)[1]
+        if _same(now, last):
+            return
+        if self._stepped is not None:
+            self._discard(self._stepped[0])
+        self._stepped = None if _same(now, self._reduced[1]) else (self._record(STEPPED), now)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _on_outputs(self, module, inputs, output) -> None:
+        if self._live() and self._in_backward():
+            for tensor in _tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._queue)
+
+    def _queue(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(lambda: Variable._execution_engine.queue_callback(self._read))
+
+    def _read(self) -> None:
+        """After the reductions' callbacks: the step's param_grad. A later backward of the step
+        (accumulation) replaces an earlier one's."""
+        self._queued = False
+        if not self._live():
+            return
+        for earlier in filter(None, (self._reduced, self._stepped)):
+            self._discard(earlier[0])
+        self._stepped = None
+        self._reduced = (self._record(""), _fingerprint(self._grads()))
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors of a module's output: itself, or a tuple's, list's or dict's (a ModelOutput's)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return [t for t in values if isinstance(t, torch.Tensor)]
+
+
+def _fingerprint(grads: list[torch.Tensor]) -> torch.Tensor:
+    local = [(g.to_local() if is_dtensor(g) else g).detach().double() for g in grads]
+    if not local:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.stack([s.to(local[0].device) for g in local for s in (g.sum(), g.square().sum())])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b.to(a.device), rtol=0, atol=0, equal_nan=True)
