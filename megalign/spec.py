@@ -63,6 +63,7 @@ class ModelConfig:
     max_position_embeddings: int = 256
     position_embedding: Literal["rope", "learned_absolute"] = "rope"
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's channels RoPE rotates (GLM's partial_rotary_factor)
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     layernorm_epsilon: float = 1e-5
     swiglu: bool = True
@@ -85,7 +86,8 @@ class ModelConfig:
     moe_layer_freq: Optional[list[int]] = None
     moe_router_num_groups: Optional[int] = None  # group-limited routing: experts in this many groups,
     moe_router_group_topk: Optional[int] = None  # of which each token may use this many
-    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's score-correction bias, a buffer
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3's and GLM-4.5's score-correction bias, a buffer
+    moe_router_fp32: bool = False  # the router's matmul and scores in float32 whatever the run's dtype
     # Multi-latent attention (DeepSeek-V3): low-rank q and kv projections; qk_head_dim is the part without RoPE.
     multi_latent_attention: bool = False
     q_lora_rank: Optional[int] = None
@@ -132,6 +134,8 @@ class ModelConfig:
                 raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
         if self.kv_channels is not None and (not is_int(self.kv_channels) or self.kv_channels <= 0):
             raise UserError(f"{source}: kv_channels must be a positive integer, got {self.kv_channels!r}")
+        if not is_number(self.rotary_percent) or not 0 < self.rotary_percent <= 1:
+            raise UserError(f"{source}: rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
         for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
             value = getattr(self, name)
             if not is_number(value) or not math.isfinite(value) or value <= 0:
@@ -156,7 +160,8 @@ class ModelConfig:
     def _validate_moe(self, source: str) -> None:
         if self.num_moe_experts is None:
             return
-        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        for name in ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "moe_router_num_groups", "moe_router_group_topk"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value <= 0):
                 raise UserError(f"{source}: {name} must be a positive integer, got {value!r}")
@@ -172,8 +177,9 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not is_number(value) or not math.isfinite(value) or value < 0):
                 raise UserError(f"{source}: {name} must be a finite number >= 0, got {value!r}")
-        if not isinstance(self.moe_router_pre_softmax, bool):
-            raise UserError(f"{source}: moe_router_pre_softmax must be true or false")
+        for name in ("moe_router_pre_softmax", "moe_router_enable_expert_bias", "moe_router_fp32"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserError(f"{source}: {name} must be true or false")
         if self.moe_layer_freq is not None and (
                 not isinstance(self.moe_layer_freq, list) or len(self.moe_layer_freq) != self.num_layers
                 or any(v not in (0, 1) for v in self.moe_layer_freq)):

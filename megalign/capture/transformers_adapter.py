@@ -40,7 +40,7 @@ def megatron_router(layer: int) -> str:
 def routing_records(layer: int, output: tuple, seq_len: int) -> dict[str, torch.Tensor]:
     """A router's (logits, weights, experts) over [b*s] tokens as megatron's routing records, by
     name: [s, b, ...], laid out as SEQ_FIRST. The experts highest weight first, as megatron's records:
-    DeepSeek-V3's router picks them with topk(sorted=False)."""
+    DeepSeek-V3's and GLM-4.5's routers pick them with topk(sorted=False)."""
     logits, weights, experts = output
     weights, order = weights.sort(dim=-1, descending=True, stable=True)
     experts = experts.gather(-1, order)

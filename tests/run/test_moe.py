@@ -113,3 +113,18 @@ def test_a_replay_that_cannot_fit_is_one_line_and_exit_2(dump, tmp_path, source,
     result = invoke(*MOE, *routing, *args, "--out", tmp_path / "out")
     assert result.exit_code == 2, result.output
     assert message in result.output and not (tmp_path / "out").exists()
+
+
+def test_glm_shaped_config_at_ep2_matches_the_single_rank_run(dump):
+    """configs/tiny-glm-moe.yaml: a dense layer 0, then sigmoid routing with expert bias and a shared expert."""
+    glm = ("backward", "--config", "configs/tiny-glm-moe.yaml")
+    single, other = dump(*glm), dump(*glm, "--ep", "2")
+    diffs = max_abs_diffs(single, other)
+    assert not {key: d for key, d in diffs.items() if d > TOLERANCE}
+    grads = {name for kind, name in diffs if kind == "param_grad"}
+    assert {"decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+            "decoder.layers.1.mlp.experts.3.linear_fc2.weight"} <= grads
+    assert not any(name.startswith("decoder.layers.0.mlp.router") for kind, name in diffs if kind == "routing")
+    result = invoke("compare", single, other)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("100.00% of 64 tokens keep their top-k set, 100.00% its order") == 1

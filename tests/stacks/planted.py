@@ -58,3 +58,14 @@ def swap_layers(source: Path, target: Path, a: int, b: int) -> Path:
     weights.update(swapped)
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     return target
+
+
+def drop_expert_bias(source: Path, target: Path) -> Path:
+    """Every router's e_score_correction_bias zeroed (what a loader that sets only parameters leaves)."""
+    shutil.copytree(source, target)
+    weights = load_file(str(target / "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.endswith(".e_score_correction_bias"):
+            tensor.zero_()
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target

@@ -1,16 +1,20 @@
 """Mixture-of-experts checkpoints through transformers and through megatron-core, compared.
 
-Tiny random Qwen3-MoE and Mixtral checkpoints built with transformers on the fly (4 experts,
-top-2; norm weights randomised). transformers 5 keeps the experts fused in memory and per expert on
-disk; both are mapped to megatron's experts by global index (compared at EP=2; the twin runs at EP=1). The failing twin is a checkpoint whose
-experts 0 and 1 of layer 1 trade weights: caught at that layer's MoE output, routing still equal.
+Tiny random Qwen3-MoE, Mixtral and GLM-4.5 checkpoints built with transformers on the fly (4 experts,
+top-2; norm weights randomised; GLM's layer 0 dense, its router decisive: see decisive_router).
+transformers 5 keeps the experts fused in memory and per expert on disk; both are mapped to megatron's
+experts by global index (compared at EP=2; the twin runs at EP=1). The failing twin is a checkpoint
+whose experts 0 and 1 of layer 1 trade weights: caught at that layer's MoE output, routing still
+equal; GLM's, its router's expert bias dropped: caught at layer 1's routing.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 from conftest import invoke, max_abs_diffs
-from planted import swap_experts
+from planted import drop_expert_bias, swap_experts, with_config
 from test_cross_stack import build_checkpoint
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -19,10 +23,17 @@ FAMILIES = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 96,
                                                             "head_dim": 16, "norm_topk_prob": True}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+    # qkv biases, qk-norm, half the head's channels rotated, a shared expert, scores scaled by 1.5.
+    "glm4-moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"n_routed_experts": 4, "moe_intermediate_size": 32,
+                                                         "head_dim": 16, "attention_bias": True, "use_qk_norm": True,
+                                                         "first_k_dense_replace": 1, "routed_scaling_factor": 1.5}),
 }
 # embedding, final norm, output layer; per layer 2 norms, qkv, proj, router, 4 experts x 2 (+2 qk norms for Qwen3)
-MEGATRON_PARAMS = {"qwen3-moe": 3 + 2 * 15, "mixtral": 3 + 2 * 13}
-LAYOUTS = [("qwen3-moe", ("--ep", "2")), ("mixtral", ("--ep", "2"))]
+# GLM: layer 0 dense (2 norms, qkv weight and bias, 2 qk norms, proj, fc1, fc2), layer 1 that plus router,
+# 4 experts x 2 and the shared expert's 2 in place of fc1, fc2.
+MEGATRON_PARAMS = {"qwen3-moe": 3 + 2 * 15, "mixtral": 3 + 2 * 13, "glm4-moe": 3 + 9 + 18}
+MOE_LAYERS = {"qwen3-moe": 2, "mixtral": 2, "glm4-moe": 1}
+LAYOUTS = [("qwen3-moe", ("--ep", "2")), ("mixtral", ("--ep", "2")), ("glm4-moe", ()), ("glm4-moe", ("--ep", "2"))]
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +43,22 @@ def moe_checkpoints(tmp_path_factory):
     for family in FAMILIES:
         made[family] = build_checkpoint(family, root / family, FAMILIES, TINY)
         made[f"{family}-swapped"] = swap_experts(root / family, root / f"{family}-swapped", layer=1)
+    decisive_router(made["glm4-moe"])
+    made["glm4-moe-unbiased"] = drop_expert_bias(root / "glm4-moe", root / "glm4-moe-unbiased")
     return made
+
+
+def decisive_router(path):
+    """GLM's router weights times 10 and its e_score_correction_bias (zeros as built) drawn: a tiny random
+    router's sigmoid scores all lie near 0.5, where bf16 rounding alone flips choices; the bias must move some."""
+    weights = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in weights.items():
+        if name.endswith(".mlp.gate.weight"):
+            tensor.mul_(10.0)
+        elif name.endswith(".e_score_correction_bias"):
+            tensor.normal_(0.0, 0.1, generator=generator)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("family,layout", LAYOUTS, ids=[f"{f}-{'-'.join(l) or 'ep1'}" for f, l in LAYOUTS])
@@ -41,7 +67,7 @@ def test_megatron_matches_transformers_on_an_moe_checkpoint(dump, moe_checkpoint
     megatron = dump("backward", "--hf", moe_checkpoints[family], *layout)
     result = invoke("compare", hf, megatron)
     assert result.exit_code == 0, result.output
-    assert result.output.count("100.00% of 64 tokens keep their top-k set, 100.00% its order") == 2
+    assert result.output.count("100.00% of 64 tokens keep their top-k set, 100.00% its order") == MOE_LAYERS[family]
     diffs = max_abs_diffs(hf, megatron)
     grads = {name: d for (kind, name), d in diffs.items() if kind == "param_grad"}
     assert len(grads) == MEGATRON_PARAMS[family], sorted(grads)
@@ -57,3 +83,33 @@ def test_swapped_experts_in_a_checkpoint_are_caught_at_their_layer(dump, moe_che
     assert "first divergence: activation decoder.layers.1.mlp" in result.output
     assert "routing flip" not in result.output
     assert result.output.count("100.00% of 64 tokens keep their top-k set") == 2
+
+
+def test_glm_expert_bias_dropped_is_caught_at_its_router(dump, moe_checkpoints):
+    """The failing twin of GLM's pair: the router's e_score_correction_bias (a buffer, which a loader of
+    parameters alone drops) left at zeros on the HF side. The choice moves; first seen at layer 1's routing."""
+    hf = dump("backward", "--hf", moe_checkpoints["glm4-moe-unbiased"], "--stack", "hf")
+    result = invoke("compare", hf, dump("backward", "--hf", moe_checkpoints["glm4-moe"]))
+    assert result.exit_code == 1, result.output
+    assert "first divergence: routing decoder.layers.1.mlp.router.experts" in result.output
+    assert "routing flip: decoder.layers.1.mlp.router.experts" in result.output
+
+
+@pytest.mark.parametrize("stack", ["megatron", "hf"])
+def test_glm_settings_megatron_computes_otherwise_are_refused(moe_checkpoints, tmp_path, stack):
+    glm = moe_checkpoints["glm4-moe"]
+    cases = [({"norm_topk_prob": False}, "norm_topk_prob=false with sigmoid scores"),
+             ({"n_group": 2, "topk_group": 2}, "num_experts_per_tok // topk_group = 2 // 2 != 2")]
+    for i, (changes, message) in enumerate(cases):
+        result = invoke("forward", "--hf", with_config(glm, tmp_path / f"c{i}", **changes), "--stack", stack,
+                        "--out", tmp_path / f"out{i}")
+        assert result.exit_code == 2 and message in result.output, (changes, result.output)
+        assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_glm_bf16_pair_passes(dump, moe_checkpoints):
+    """bf16 on both stacks: transformers keeps GLM's router in float32, and so does megatron's (moe_router_dtype)."""
+    hf = dump("backward", "--hf", moe_checkpoints["glm4-moe"], "--stack", "hf", "--dtype", "bf16")
+    result = invoke("compare", hf, dump("backward", "--hf", moe_checkpoints["glm4-moe"], "--dtype", "bf16"))
+    assert result.exit_code == 0, result.output
+    assert "100.00% of 64 tokens keep their top-k set, 100.00% its order" in result.output

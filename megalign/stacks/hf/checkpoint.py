@@ -103,8 +103,8 @@ def _check_coverage(checkpoint: HFCheckpoint) -> None:
 
 
 def _is_mtp(name: str, layers: int) -> bool:
-    """DeepSeek-V3's multi-token-prediction layers follow the decoder's, as model.layers.{num_hidden_layers}...:
-    neither stack's forward reads them."""
+    """DeepSeek-V3's and GLM-4.5's multi-token-prediction layers follow the decoder's, as
+    model.layers.{num_hidden_layers}...: neither stack's forward reads them."""
     parts = name.split(".")
     return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= layers
 

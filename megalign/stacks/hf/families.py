@@ -34,6 +34,7 @@ class Rule:
     # that are a module in one stack and a bare function in the other.
     on: str = "output"
     layers: str = "all"  # "dense" or "moe": a rule of only the dense or only the MoE layers (moe_layer_freq)
+    when: Optional[str] = None  # a ModelConfig flag the module exists under (GLM's use_qk_norm is optional)
     # Buffers loaded with the weights, (megatron's name, HF's) under the modules': no gradient, no output.
     buffers: tuple[tuple[str, str], ...] = ()
 
@@ -64,16 +65,25 @@ class Experts:
     gate: str
     up: str
     down: str
+    # DeepSeek's MoE (GLM-4.5's too): a shared expert (`mlp.shared_experts`, a gate/up/down MLP, megatron's
+    # shared_experts) and the router's bias added to the scores for the choice only
+    # (`gate.e_score_correction_bias`, a buffer: megatron's router.expert_bias buffer).
+    deepseek: bool = False
 
     def rules(self) -> tuple[Rule, ...]:
         moe, experts = f"{_L}.{self.block}", f"{_L}.{self.block}.experts.{{e}}"
-        return (
+        shared = f"{moe}.shared_experts"
+        return tuple(replace(rule, layers="moe") for rule in (
             # Routing is written by the router's own hook (worker.py), as kind `routing`.
-            Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None),
+            Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None,
+                 buffers=(("expert_bias", "e_score_correction_bias"),) if self.deepseek else ()),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc1", (f"{experts}.{self.gate}", f"{experts}.{self.up}"), join="cat",
                  activation=None),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc2", (f"{experts}.{self.down}",), activation=None),
-        )
+            *((Rule(f"{_M}.mlp.shared_experts.linear_fc1", (f"{shared}.gate_proj", f"{shared}.up_proj"), join="cat"),
+               Rule(f"{_M}.mlp.shared_experts.linear_fc2", (f"{shared}.down_proj",)),
+               Rule(f"{_M}.mlp.shared_experts", (shared,), params=False)) if self.deepseek else ()),
+        ))
 
     def checkpoint_grads(self, name: str, grad: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         """An in-memory parameter's gradient under the checkpoint's names (the experts unfused)."""
@@ -91,27 +101,29 @@ class Experts:
 
 def _decoder_rules(qk_norm: bool = False, experts: Optional[Experts] = None) -> tuple[Rule, ...]:
     """The Llama layout, layer by layer in execution order; `qk_norm`: Qwen3's RMSNorm over head_dim
-    on each query and key head, before RoPE; `experts`: an MoE block in place of the MLP."""
-    dense_mlp = (
+    on each query and key head, before RoPE; `experts`: an MoE block in place of the MLP (in the layers
+    ModelConfig.is_moe_layer names; the dense MLP in the others)."""
+    dense_mlp = tuple(replace(rule, layers="dense") for rule in (
         Rule(f"{_M}.mlp.linear_fc1", (f"{_L}.mlp.gate_proj", f"{_L}.mlp.up_proj"), join="cat"),
         # SwiGLU's output, act(gate) * up: a bare function in both stacks, so the down projection's input.
         Rule(f"{_M}.mlp.linear_fc2#input", (f"{_L}.mlp.down_proj",), params=False, on="input"),
         Rule(f"{_M}.mlp.linear_fc2", (f"{_L}.mlp.down_proj",)),
-    )
+    ))
     return (
         # megatron's `embedding` output is the lookup made sequence-first, the layout of every layer output.
         Rule("embedding.word_embeddings", ("model.embed_tokens",), activation="embedding"),
         Rule(f"{_M}.input_layernorm", (f"{_L}.input_layernorm",)),
         Rule(f"{_M}.self_attention.linear_qkv",
              (f"{_L}.self_attn.q_proj", f"{_L}.self_attn.k_proj", f"{_L}.self_attn.v_proj"), join="qkv"),
-        *((Rule(f"{_M}.self_attention.q_layernorm", (f"{_L}.self_attn.q_norm",)),
-           Rule(f"{_M}.self_attention.k_layernorm", (f"{_L}.self_attn.k_norm",))) if qk_norm else ()),
+        *((Rule(f"{_M}.self_attention.q_layernorm", (f"{_L}.self_attn.q_norm",), when="qk_layernorm"),
+           Rule(f"{_M}.self_attention.k_layernorm", (f"{_L}.self_attn.k_norm",), when="qk_layernorm"))
+          if qk_norm else ()),
         # The attention output before the output projection: megatron's core_attention module, o_proj's input.
         Rule(f"{_M}.self_attention.core_attention", (f"{_L}.self_attn.o_proj",), params=False, on="input"),
         Rule(f"{_M}.self_attention.linear_proj", (f"{_L}.self_attn.o_proj",)),
         Rule(f"{_M}.self_attention", (f"{_L}.self_attn",), params=False),
         Rule(f"{_M}.pre_mlp_layernorm", (f"{_L}.post_attention_layernorm",)),
-        *(experts.rules() if experts else dense_mlp),
+        *(experts.rules() if experts else ()), *dense_mlp,
         # The MLP's (or MoE block's) output: `mlp` in memory in every family.
         Rule(f"{_M}.mlp", (f"{_L}.mlp",), params=False),
         Rule(_M, (_L,), params=False),
@@ -126,6 +138,7 @@ QWEN2_RULES = LLAMA_RULES
 QWEN3_RULES = _decoder_rules(qk_norm=True)
 QWEN3_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+DEEPSEEK_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", deepseek=True)
 
 
 def _deepseek_v3_rules(q_lora: bool) -> tuple[Rule, ...]:
@@ -138,27 +151,16 @@ def _deepseek_v3_rules(q_lora: bool) -> tuple[Rule, ...]:
              Rule(f"{sa}.linear_q_up_proj", (f"{attn}.q_b_proj",))) if q_lora else \
         (Rule(f"{sa}.linear_q_proj", (f"{attn}.q_proj",)),)
     llama = {rule.megatron: rule for rule in _decoder_rules()}
-    dense = [replace(llama[name], layers="dense") for name in
-             (f"{_M}.mlp.linear_fc1", f"{_M}.mlp.linear_fc2#input", f"{_M}.mlp.linear_fc2")]
-    router, *experts = DEEPSEEK_V3_EXPERTS.rules()
-    moe, shared = f"{_L}.mlp", f"{_M}.mlp.shared_experts"
-    sparse = [replace(router, buffers=(("expert_bias", "e_score_correction_bias"),)), *experts,
-              Rule(f"{shared}.linear_fc1", (f"{moe}.shared_experts.gate_proj", f"{moe}.shared_experts.up_proj"),
-                   join="cat"),
-              Rule(f"{shared}.linear_fc2", (f"{moe}.shared_experts.down_proj",)),
-              Rule(shared, (f"{moe}.shared_experts",), params=False)]
+    dense = [llama[name] for name in (f"{_M}.mlp.linear_fc1", f"{_M}.mlp.linear_fc2#input", f"{_M}.mlp.linear_fc2")]
     return (
         llama["embedding.word_embeddings"], llama[f"{_M}.input_layernorm"], *query,
         Rule(f"{sa}.linear_kv_down_proj", (f"{attn}.kv_a_proj_with_mqa",)),
         Rule(f"{sa}.kv_layernorm", (f"{attn}.kv_a_layernorm",)),
         Rule(f"{sa}.linear_kv_up_proj", (f"{attn}.kv_b_proj",)),
         *(llama[name] for name in (f"{sa}.core_attention", f"{sa}.linear_proj", sa, f"{_M}.pre_mlp_layernorm")),
-        *dense, *(replace(rule, layers="moe") for rule in sparse),
+        *DEEPSEEK_EXPERTS.rules(), *dense,
         *(llama[name] for name in (f"{_M}.mlp", _M, "decoder.final_layernorm", "output_layer")),
     )
-
-
-DEEPSEEK_V3_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 
 
 @dataclass(frozen=True)
@@ -213,16 +215,19 @@ def _mixtral(raw: dict, source: str) -> dict:
     return {**_llama(raw, source), **_moe(raw, source, ffn="intermediate_size")}
 
 
+def _glm4_moe(raw: dict, source: str) -> dict:
+    """GLM-4.5: Llama's attention biased on q/k/v only (attention_bias leaves o_proj unbiased), Qwen3's
+    per-head q/k norms when use_qk_norm, RoPE on part of each head, DeepSeek's MoE."""
+    return {"add_qkv_bias": bool(raw.get("attention_bias", False)), "qk_layernorm": bool(raw.get("use_qk_norm", False)),
+            "rotary_percent": float(_rope(raw).get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.5))),
+            **_deepseek_moe(raw, source, first_dense=1),
+            # transformers keeps this router's weight and bias in float32 (_keep_in_fp32_modules_strict) and
+            # scores in float32.
+            "moe_router_fp32": True}
+
+
 def _deepseek_v3(raw: dict, source: str) -> dict:
-    """MLA and DeepSeek's MoE: sigmoid scores, the score-correction bias choosing (not weighting) the experts,
-    group-limited top-k, shared experts, the first first_k_dense_replace layers dense."""
-    try:
-        return _deepseek_v3_fields(raw, source)
-    except KeyError as e:
-        raise UserError(f"{source}: config.json has no {e.args[0]!r}") from None
-
-
-def _deepseek_v3_fields(raw: dict, source: str) -> dict:
+    """MLA and DeepSeek's MoE."""
     if raw.get("quantization_config"):
         # DeepSeek-V3's published weights are FP8 blocks with weight_scale_inv beside them: read as they are,
         # they would be compared as numbers they are not.
@@ -230,6 +235,20 @@ def _deepseek_v3_fields(raw: dict, source: str) -> dict:
                         "not read; dequantise to bf16 or fp32 first")
     if raw.get("attention_bias"):
         raise UserError(f"{source}: attention_bias=true biases the MLA projections, which the mapping cannot express")
+    return {**_deepseek_moe(raw, source, first_dense=0),
+            "num_query_groups": raw["num_attention_heads"], "kv_channels": raw["v_head_dim"],
+            "multi_latent_attention": True, "q_lora_rank": raw.get("q_lora_rank"),
+            "kv_lora_rank": raw["kv_lora_rank"], "qk_head_dim": raw["qk_nope_head_dim"],
+            "qk_pos_emb_head_dim": raw["qk_rope_head_dim"], "v_head_dim": raw["v_head_dim"],
+            "qk_layernorm": True}
+
+
+def _deepseek_moe(raw: dict, source: str, first_dense: int) -> dict:
+    """DeepSeek's MoE (GLM-4.5's too): sigmoid scores, the score-correction bias choosing (not weighting) the
+    experts, group-limited top-k, the chosen weights renormalised and scaled, shared experts, the first
+    first_k_dense_replace layers dense. `first_dense`: the family's default first_k_dense_replace."""
+    if raw.get("n_shared_experts", 1) < 1:
+        raise UserError(f"{source}: n_shared_experts={raw['n_shared_experts']}: the mapping needs a shared expert")
     if not raw.get("norm_topk_prob", True):
         raise UserError(f"{source}: norm_topk_prob=false with sigmoid scores: megatron always renormalises the "
                         "chosen experts' weights")
@@ -238,19 +257,13 @@ def _deepseek_v3_fields(raw: dict, source: str) -> dict:
         raise UserError(f"{source}: group-limited routing with num_experts_per_tok // topk_group = "
                         f"{topk} // {group_topk} != 2: transformers ranks groups by their top 2 scores, megatron "
                         f"by their top {topk // group_topk}")
-    layers, dense = raw["num_hidden_layers"], raw.get("first_k_dense_replace", 0)
-    return {**_moe({**raw, "num_local_experts": raw.get("n_routed_experts")}, source, ffn="moe_intermediate_size"),
+    layers, dense = raw["num_hidden_layers"], raw.get("first_k_dense_replace", first_dense)
+    return {**_moe(raw, source, ffn="moe_intermediate_size"),
             "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
             "moe_router_topk_scaling_factor": float(raw.get("routed_scaling_factor", 1.0)),
-            "moe_shared_expert_intermediate_size": raw["moe_intermediate_size"] * raw.get("n_shared_experts", 1)
-            if raw.get("n_shared_experts") else None,
+            "moe_shared_expert_intermediate_size": raw["moe_intermediate_size"] * raw.get("n_shared_experts", 1),
             **({"moe_router_num_groups": groups, "moe_router_group_topk": group_topk} if groups > 1 else {}),
-            "moe_layer_freq": [0] * min(dense, layers) + [1] * max(layers - dense, 0),
-            "num_query_groups": raw["num_attention_heads"], "kv_channels": raw["v_head_dim"],
-            "multi_latent_attention": True, "q_lora_rank": raw.get("q_lora_rank"),
-            "kv_lora_rank": raw["kv_lora_rank"], "qk_head_dim": raw["qk_nope_head_dim"],
-            "qk_pos_emb_head_dim": raw["qk_rope_head_dim"], "v_head_dim": raw["v_head_dim"],
-            "qk_layernorm": True}
+            "moe_layer_freq": [0] * min(dense, layers) + [1] * max(layers - dense, 0)}
 
 
 def _mla_rope_rows(raw: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -269,10 +282,11 @@ def _mla_rope_rows(raw: dict, model: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def _moe(raw: dict, source: str, ffn: str) -> dict:
-    # transformers 5 writes num_local_experts for every family; Qwen3-MoE checkpoints on the hub num_experts.
-    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    # transformers 5 writes num_local_experts for most families; Qwen3-MoE checkpoints on the hub
+    # num_experts, GLM n_routed_experts.
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
     if experts is None:
-        raise UserError(f"{source}: config.json has neither num_local_experts nor num_experts")
+        raise UserError(f"{source}: config.json has none of num_local_experts, num_experts, n_routed_experts")
     try:
         return {"num_moe_experts": experts, "moe_router_topk": raw["num_experts_per_tok"],
                 "moe_ffn_hidden_size": raw[ffn], "moe_router_score_function": "softmax"}
@@ -293,9 +307,10 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts=QWEN3_MOE_EXPERTS),
     Family("mixtral", "MixtralForCausalLM", _decoder_rules(experts=MIXTRAL_EXPERTS), _mixtral,
            experts=MIXTRAL_EXPERTS),
+    Family("glm4_moe", "Glm4MoeForCausalLM", _decoder_rules(qk_norm=True, experts=DEEPSEEK_EXPERTS), _glm4_moe,
+           experts=DEEPSEEK_EXPERTS),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", lambda model: _deepseek_v3_rules(model.q_lora_rank is not None),
-           _deepseek_v3,
-           experts=DEEPSEEK_V3_EXPERTS, row_orders=_mla_rope_rows),
+           _deepseek_v3, experts=DEEPSEEK_EXPERTS, row_orders=_mla_rope_rows),
 )}
 
 
@@ -326,15 +341,19 @@ def model_config(raw: dict, family: Family, name: str, source: str) -> ModelConf
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             position_embedding="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
         )
+        fields.update(family.config(raw, source))
     except KeyError as e:
         raise UserError(f"{source}: config.json has no {e.args[0]!r}") from None
-    fields.update(family.config(raw, source))
     return ModelConfig.from_dict(fields, source=source)
+
+
+def _rope(raw: dict) -> dict:
+    return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
 
 
 def _rope_theta(raw: dict, source: str) -> float:
     """transformers 5 writes rope_parameters; older checkpoints rope_theta and rope_scaling."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope = _rope(raw)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise UserError(f"{source}: RoPE scaling {kind!r} is not supported (only plain RoPE)")

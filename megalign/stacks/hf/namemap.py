@@ -39,6 +39,8 @@ class NameMap:
         self.rules: list[Rule] = []
         block: list[Rule] = []
         for rule in family.rules_of(model) + (None,):
+            if rule is not None and rule.when is not None and not getattr(model, rule.when):
+                continue
             if rule is not None and rule.per_layer:
                 block.append(rule)
                 continue

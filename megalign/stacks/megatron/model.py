@@ -69,6 +69,7 @@ def _moe_config(spec: RunSpec) -> dict:
         moe_layer_freq=model.moe_layer_freq or 1,
         moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
         moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_router_dtype="fp32" if model.moe_router_fp32 else None,
         # megatron moves the expert bias in finalize_model_grads after every step, transformers never: frozen,
         # so that step 2 onward of a multi-step pair still computes what the other stack does.
         **({"moe_router_bias_update_rate": 0.0} if model.moe_router_enable_expert_bias else {}),
@@ -155,6 +156,7 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.model.tie_embeddings,
         position_embedding_type=spec.model.position_embedding, rotary_base=spec.model.rotary_base,
+        rotary_percent=spec.model.rotary_percent,
         parallel_output=True,
     )
     if spec.device == "cuda":
@@ -164,8 +166,8 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
     return model
 
 
-# Buffers that are part of the model's weights: DeepSeek-V3's expert bias picks the experts. A loader
-# that sets only parameters leaves it zero and routes otherwise, silently.
+# Buffers that are part of the model's weights: DeepSeek-V3's and GLM-4.5's expert bias picks the experts.
+# A loader that sets only parameters leaves it zero and routes otherwise, silently.
 LOADED_BUFFERS = (".mlp.router.expert_bias",)
 
 
