@@ -478,11 +478,7 @@ class Dumper:
         self._check_process("close")
         if self._closed:
             return
-        self._closed = True
-        self._forget_unclosed()
-        self._hooks.remove()
-        self._reads.remove()
-        self._reducers.release()
+        self._stop_watching()
         if not self._choice.all and not self._steps:  # MEGALIGN_DUMP_STEPS=7 in a run of 3 steps
             warnings.warn(f"megalign.Dumper({str(self.out)!r}): none of the steps it was to dump ran "
                           f"(steps {self._choice}): the dump holds no step", stacklevel=2)
@@ -534,16 +530,20 @@ class Dumper:
         # error passed).
         return max(floats, key=PRECISIONS.index, default="fp32")
 
-    def abort(self) -> None:
-        """Stop without a dump: hooks off, the staging folder removed (rank 0). In a forked child,
-        nothing: the dump is the parent's, and the error being handled is the one to report."""
-        if self._closed or os.getpid() != self._pid:
-            return
+    def _stop_watching(self) -> None:
+        """Closed: every hook off (outputs, gradient reads, the reducers' own), whatever comes next."""
         self._closed = True
         self._forget_unclosed()
         self._hooks.remove()
         self._reads.remove()
         self._reducers.release()
+
+    def abort(self) -> None:
+        """Stop without a dump: hooks off, the staging folder removed (rank 0). In a forked child,
+        nothing: the dump is the parent's, and the error being handled is the one to report."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._stop_watching()
         with contextlib.suppress(Exception):  # the error being handled is the one to report
             self._writer.close()
         self._landing.__exit__(RuntimeError, RuntimeError("aborted"), None)
