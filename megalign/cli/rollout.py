@@ -16,8 +16,8 @@ WHERE = (Column("where"), Column("tokens", right=True), Column("of tokens", righ
 
 
 def print_rollout(findings: RolloutFindings, fmt: str) -> None:
-    if findings.to_reference is not None:
-        s = findings.to_reference
+    if findings.sides is not None:
+        s = findings.sides
         console.print()
         console.print(f"[bold]per token against the reference[/]: the engine is further on {s.engine_further} of "
                       f"{s.tokens} response tokens, the trainer on {s.trainer_further}; |Δ| to the reference max "

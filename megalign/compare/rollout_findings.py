@@ -41,7 +41,7 @@ class RolloutFindings:
     where: list[Region]
     causes_checked: bool  # the logprobs row failed, so causes were looked for
     causes: list[str] = field(default_factory=list)
-    to_reference: Optional[ReferenceDistances] = None
+    sides: Optional[ReferenceDistances] = None  # each side's distance to the reference (JSON: "sides")
 
 
 def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) -> Optional[RolloutFindings]:
@@ -61,7 +61,7 @@ def find(pair: RolloutPair, report: Report, reference: Optional[Source] = None) 
                                           layout_cp, cp_split),
                             causes_checked=row.failing)
     if reference is not None:
-        found.to_reference = _to_reference(pair.logprobs, trainer, pair.laid_out(Kind.LOGPROBS, "logprobs", reference),
+        found.sides = _to_reference(pair.logprobs, trainer, pair.laid_out(Kind.LOGPROBS, "logprobs", reference),
                                            mask > 0)
     if row.failing:
         valid = torch.zeros_like(pair.loss_mask, dtype=torch.bool)

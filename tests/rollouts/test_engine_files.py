@@ -139,6 +139,10 @@ def test_sglang_default_input_entry_is_checked_against_the_last_prompt_id(tmp_pa
     assert read_rollout(planted).samples[0].prompt == choice["prompt_token_ids"]
 
 
+class NotWeights:
+    """What a pickle may hold beyond tensors and plain containers: weights_only refuses it."""
+
+
 def test_slime_debug_rollout_pt(tmp_path):
     """slime 0.3.1's --save-debug-rollout-data file (it failed with a UnicodeDecodeError): read with
     weights_only=True; the sample with rollout_log_probs None runs and is said not compared; a .pt of
@@ -152,7 +156,9 @@ def test_slime_debug_rollout_pt(tmp_path):
     assert rollout.samples[0].response_logprobs == saved[0]["rollout_log_probs"]
     torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
     assert not is_rollout_file(tmp_path / "plain.pt")
-    torch.save({"rollout_id": 0, "samples": [Path("x")]}, tmp_path / "unsafe.pt")
+    # An object of a class of its own: never on torch's weights_only allowlist (megatron-core, once
+    # imported in this process, puts PosixPath there: not a test of anything of megalign's).
+    torch.save({"rollout_id": 0, "samples": [NotWeights()]}, tmp_path / "unsafe.pt")
     assert not is_rollout_file(tmp_path / "unsafe.pt")
     with pytest.raises(UserError, match="weights_only=True"):
         read_rollout(tmp_path / "unsafe.pt")
