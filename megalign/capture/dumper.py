@@ -48,9 +48,10 @@ from megalign.capture.coverage import collective_device, read_grad
 from megalign.capture.dtensor import is_dtensor, local_piece
 from megalign.capture.grad_reads import GradReads
 from megalign.capture.hooks import Hooks
+from megalign.capture.reducers import Reducers, Stated, check_stated
 from megalign.capture.rows import RowLog, rows_meta
 from megalign.capture.steps import Steps, choose_steps
-from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, Stated, check_stated
+from megalign.dump.grad_convention import META_KEY as REDUCTION
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, Kind, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
@@ -91,7 +92,7 @@ class Dumper:
     a tensor was recorded under torch.autocast, else the widest float dtype recorded.
     `grad_reduction`: how the ranks' parameter gradients are reduced, where the Dumper cannot read it
     (a DDP comm hook of yours): "sum", "mean" (over the DP ranks) or the divisor of their sum; read
-    from a watched torch DDP or FSDP2 otherwise (grad_convention.py).
+    from a watched torch DDP or FSDP2 otherwise (reducers.py).
     """
 
     enabled = True
@@ -311,7 +312,7 @@ class Dumper:
             self._place_again(*placed)
         adapter, module = _adapter_for(module, self.layout, self._dp_ranks, outputs, batch_dim)
         if isinstance(adapter, megatron_adapter.MegatronAdapter):
-            for ddp in adapter.ddps:  # its scaling, and the per-token loss's division a step (grad_convention.py)
+            for ddp in adapter.ddps:  # its scaling, and the per-token loss's division a step (reducers.py)
                 self._reducers.watch_megatron(ddp, lambda: self._step_now if self._writing else None)
         else:  # megatron-core's DDP reduces in finalize_model_grads: its gradients are read at the step's end
             self._reads.watch(module, self._optimizer_steps)

@@ -3,14 +3,16 @@ writes it, and the rules megalign's megatron worker writes its dumps by (stacks/
 once here: the ranks' places from parallel_state, global layer and expert names under PP and EP
 (megatron_names.py), output sharding (megatron_outputs.py, walked by megatron_hooks.py), parameter
 sharding with expert TP, gradients read from DDP or the distributed optimizer with the TP-group
-rule of whether a rank holds one (ddp_grads.py), the router's decisions (megatron_router.py), and
-the padded vocabulary. What megalign's worker dumps beyond a user's model is an option of the same
-adapter (WorkerOutputs): the worker captures through it, as `Dumper.watch` does. Duck-typed and read
-through parallel_state where the program imported it: no megatron import.
-"""
+rule of whether a rank holds one (ddp_grads.py), how DDP reduces them (GradScaling), the router's
+decisions (megatron_router.py), and the padded vocabulary. What megalign's worker dumps beyond a
+user's model is an option of the same adapter (WorkerOutputs): the worker captures through it, as
+`Dumper.watch` does. Duck-typed and read through parallel_state where the program imported it: no
+megatron import."""
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Optional
 
@@ -27,6 +29,7 @@ from megalign.capture.megatron_names import global_name, is_duplicate_embedding
 from megalign.capture.megatron_outputs import LocalShape, is_megatron_model, packed_row
 from megalign.capture.megatron_router import router_tracer
 from megalign.dump.format import Kind, RankCoords
+from megalign.dump.grad_convention import GradReduction, mean_of
 from megalign.dump.layout import Layout
 from megalign.dump.megatron_params import gated_linear
 from megalign.dump.sharding import Sharding
@@ -122,6 +125,55 @@ def _real_vocab(shard: torch.Tensor, vocab_size: int, dim: int) -> torch.Tensor:
     shards = [torch.empty_like(shard) for _ in range(state.get_tensor_model_parallel_world_size())]
     dist.all_gather(shards, shard.detach().contiguous(), group=state.get_tensor_model_parallel_group())
     return torch.cat(shards, dim=dim).narrow(dim, 0, vocab_size)
+
+
+class GradScaling:
+    """How a megatron-core DDP (megatron-core 0.18) reduces gradients, for reducers.py: it scales each
+    buffer's gradients by its `gradient_scaling_factor` before the collective, which averages over
+    the buffer's group where `average_in_collective`: at its defaults 1/(DP x CP) then a sum, a mean.
+    With `calculate_per_token_loss` it sums, and megatron's schedule hands the step's token count to
+    finalize_model_grads, which divides by it through `scale_gradients`: its factors are kept in each
+    step `step_now()` names (None: a step not dumped), until `release()`."""
+
+    def __init__(self, ddp: torch.nn.Module, step_now: Callable[[], Optional[int]]):
+        self._ddp = weakref.ref(ddp)
+        self._scales: dict[int, list[torch.Tensor]] = {}
+        scale = ddp.scale_gradients
+
+        def scale_gradients(factor) -> None:
+            if (step := step_now()) is not None:  # kept on its device: no read-back mid-step
+                self._scales.setdefault(step, []).append(torch.as_tensor(factor).detach().clone())
+            scale(factor)
+
+        ddp.scale_gradients = scale_gradients
+
+    def of(self, ddp: torch.nn.Module) -> bool:
+        return self._ddp() is ddp
+
+    def release(self) -> None:
+        """The DDP's scale_gradients as it was."""
+        if (ddp := self._ddp()) is not None:
+            ddp.__dict__.pop("scale_gradients", None)
+
+    def reduction(self) -> Optional[GradReduction]:
+        """The DDP's divisor (None: the DDP is gone): of every buffer, 1/its scaling factor, times its
+        group's size where the collective averages (one for all of them, else unknown); per step, over
+        the factors scale_gradients was given."""
+        if (ddp := self._ddp()) is None:
+            return None
+        average = ddp.ddp_config.average_in_collective
+        divisors = {(b.data_parallel_world_size if average else 1) / b.gradient_scaling_factor
+                    for b in ddp.buffers + ddp.expert_parallel_buffers}
+        if len(divisors) != 1:
+            return GradReduction(None, "megatron DDP, buffers of different scaling factors")
+        base = round(divisors.pop(), 9)  # 1 / (1/3) is 3.0000000000000004
+        if not self._scales:
+            how = "summed" if base == 1 else mean_of(int(base)) if base.is_integer() else f"scaled by 1/{base:g}"
+            return GradReduction(float(base), f"megatron DDP, {how}")
+        # A factor is 1/tokens in the gradients' dtype (float32: 1/19 reads back as 1/18.9999998)
+        per_step = tuple((step, float(f"{base / math.prod(float(f) for f in factors):.7g}"))
+                         for step, factors in sorted(self._scales.items()))
+        return GradReduction(float(base), "megatron DDP, per-token loss", per_step)
 
 
 LOGITS_MODULE = "output_layer"  # its first output is the logits, [s, b, vocab/tp]

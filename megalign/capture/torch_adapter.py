@@ -2,7 +2,7 @@
 Adapter). torch's DDP (unwrapped: its replicas are the DP group's), FSDP2 and tensor parallel's
 DTensors (placed by their own placements: dtensor.py), and any module's outputs: split over DP
 ranks on `batch_dim`, token tensors on `seq_dim`, the rows' real tokens from each call's
-attention_mask. Ranks: torch.distributed's, each a DP rank over the world or over `dp_group`; under
+attention_mask; how DDP and FSDP2 reduce gradients (for reducers.py). Ranks: torch.distributed's, each a DP rank over the world or over `dp_group`; under
 parallelize_module, TP ranks over its mesh (place_tensor_parallel), and the outputs read are those
 whose placements are known: each parallelized module's, as the DTensor its forward returns (before
 the style's hook makes it a plain local piece), and any DTensor output.
@@ -21,9 +21,10 @@ from megalign.capture.adapter import Sink
 from megalign.capture.coverage import have_gradients, read_grad
 from megalign.capture.dtensor import is_dtensor
 from megalign.capture.hooks import Hooks
-from megalign.dump.partial import shared_output_grad
 from megalign.dump.format import Kind, RankCoords
+from megalign.dump.grad_convention import GradReduction, mean_of
 from megalign.dump.layout import Layout, padded_rows
+from megalign.dump.partial import shared_output_grad
 from megalign.dump.sharding import Sharding
 from megalign.errors import UserError
 
@@ -84,6 +85,34 @@ def check_ddp_group(group: dist.ProcessGroup, dp_ranks: Optional[list[int]]) -> 
     if dp_ranks is not None and ranks != dp_ranks:
         raise UserError(f"DDP averages gradients over ranks {ranks}, the Dumper's data-parallel group is ranks "
                         f"{dp_ranks}: pass megalign.Dumper(..., dp_group=) the process_group given to DDP")
+
+
+def fsdp_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP2 modules in `module`, each of which reduces its parameter groups' gradients."""
+    return [m for m in module.modules() if hasattr(m, "_get_fsdp_state")]
+
+
+def ddp_reduction(ddp: torch.nn.parallel.DistributedDataParallel) -> GradReduction:
+    """A torch DDP's: a mean over its process group, unless a comm hook it was given replaces that."""
+    if ddp._comm_hooks:  # torch 2.13 keeps register_comm_hook's hooks there
+        return GradReduction(None, "torch DDP's comm hook: say it with grad_reduction=")
+    return GradReduction(float(ddp.process_group.size()), f"torch DDP, {mean_of(ddp.process_group.size())}")
+
+
+def fsdp_reductions(fsdp: torch.nn.Module) -> list[GradReduction]:
+    """An FSDP2 module's, one a parameter group (torch 2.13: `_get_fsdp_state()._fsdp_param_groups`):
+    its gradient_divide_factor, else (torch's _get_gradient_divide_factors) the data-parallel size:
+    the shard group's, times HSDP's replicas."""
+    found = []
+    for group in fsdp._get_fsdp_state()._fsdp_param_groups:
+        if group.gradient_divide_factor is not None:
+            found.append(GradReduction(float(group.gradient_divide_factor),
+                                       f"FSDP2, divide factor {group.gradient_divide_factor:g}"))
+            continue
+        info = group.mesh_info
+        size = getattr(info, "shard_mesh_size", 1) * getattr(info, "replicate_mesh_size", 1)
+        found.append(GradReduction(float(size), f"FSDP2, {mean_of(size)}"))
+    return found
 
 
 class TorchAdapter:

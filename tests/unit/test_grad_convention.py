@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import megalign
-from megalign.dump.grad_convention import GradReduction, check_stated
+from megalign.capture.reducers import check_stated
+from megalign.dump.grad_convention import GradReduction
 from megalign.dump.validate import Malformed
 
 
