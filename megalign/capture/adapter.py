@@ -2,9 +2,10 @@
 module's output and a parameter are named, how each is split over ranks, where a parameter's
 gradient is read and whether this rank holds one, and the hooks that catch its outputs (the MoE
 router's decisions too). One adapter a framework, in one module: megatron-core's
-(megatron_adapter.py) and torch's own (torch_adapter.py: DDP, FSDP2 and tensor parallel's
-DTensors, any other module). The Dumper picks one for each model it watches and keeps the rest:
-steps, writing, landing.
+(megatron_adapter.py), torch's own (torch_adapter.py: DDP, FSDP2 and tensor parallel's DTensors,
+any other module) and transformers' as megalign's HF worker writes it (transformers_adapter.py).
+The Dumper picks one for each model it watches (megalign's workers hand theirs to hook_outputs)
+and keeps the rest: steps, writing, landing.
 """
 
 from __future__ import annotations

@@ -115,7 +115,29 @@ def fsdp_reductions(fsdp: torch.nn.Module) -> list[GradReduction]:
     return found
 
 
-class TorchAdapter:
+class TorchParams:
+    """A torch model's parameters as the Dumper reads them: named by their paths, each a replica over
+    the DP ranks (DDP's) or a DTensor placed by its placements, gradients where DDP or FSDP2 leave them."""
+
+    def name(self, path: str) -> str:
+        return path
+
+    def dumps_param(self, name: str, param: torch.nn.Parameter) -> bool:
+        return True
+
+    def param_sharding(self, name: str, param: torch.nn.Parameter) -> Sharding:
+        return Sharding()  # a replica over the DP ranks (DDP's), or a DTensor placed by its placements
+
+    def read_grads(self, params: dict[str, torch.nn.Parameter]) -> dict[str, Optional[torch.Tensor]]:
+        """`.grad` as torch's DDP (averaged over the DP group) or FSDP2 (a DTensor, reduce-scattered)
+        leaves it at a step's end: the one place a torch model's gradients are read."""
+        return {name: read_grad(param) for name, param in params.items()}
+
+    def held(self, grads: list[Optional[torch.Tensor]], params: list[torch.nn.Parameter]) -> list[bool]:
+        return have_gradients(grads)  # each rank alone: no rank holds a piece of another's
+
+
+class TorchAdapter(TorchParams):
     """A model of torch's own modules. Refuses (NotImplementedError) watching the outputs of one
     split over CP ranks, or over TP ranks other than parallelize_module's, whose outputs carry no
     placement; under parallelize_module beside DP, too (a DTensor output is this DP rank's rows only)."""
@@ -135,23 +157,6 @@ class TorchAdapter:
         self.model, self.layout, self.batch_dim = model, layout, batch_dim
         self._batch: Optional[int] = None  # rows of the model's input on batch_dim, once it ran
         self._seq_len: Optional[int] = None  # tokens a row of the model's input, where seq_dim is given
-
-    def name(self, path: str) -> str:
-        return path
-
-    def dumps_param(self, name: str, param: torch.nn.Parameter) -> bool:
-        return True
-
-    def param_sharding(self, name: str, param: torch.nn.Parameter) -> Sharding:
-        return Sharding()  # a replica over the DP ranks (DDP's), or a DTensor placed by its placements
-
-    def read_grads(self, params: dict[str, torch.nn.Parameter]) -> dict[str, Optional[torch.Tensor]]:
-        """`.grad` as torch's DDP (averaged over the DP group) or FSDP2 (a DTensor, reduce-scattered)
-        leaves it at a step's end: the one place this adapter reads gradients."""
-        return {name: read_grad(param) for name, param in params.items()}
-
-    def held(self, grads: list[Optional[torch.Tensor]], params: list[torch.nn.Parameter]) -> list[bool]:
-        return have_gradients(grads)  # each rank alone: no rank holds a piece of another's
 
     def hook(self, hooks: Hooks, sink: Sink, named: Callable[[str], str], seq_dim: Optional[int]) -> None:
         batch_dim = self.batch_dim

@@ -43,6 +43,11 @@ class Rule:
                        hf=tuple(h.format(i=layer, e=expert) for h in self.hf))
 
     @property
+    def written_as(self) -> Optional[str]:
+        """The name the HF output is written under; None where it is written some other way."""
+        return self.megatron if self.activation == SAME else self.activation
+
+    @property
     def per_layer(self) -> bool:
         return "{i}" in self.megatron
 

@@ -1,5 +1,5 @@
 """`--stack hf`: the same padded batch through transformers' own model, written as a megalign dump
-through megalign.Dumper.
+through megalign.Dumper, its outputs and gradients caught by capture/'s transformers adapter.
 
 One rank in megalign's own process, no torchrun: transformers' eager attention, no attention mask
 (right padding under a causal mask is what megatron's run sees too), labels and loss mask from
@@ -16,11 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megalign.capture.coverage import check_coverage, have_gradients
+from megalign.capture.coverage import check_coverage
 from megalign.capture.dumper import Dumper
-from megalign.capture.hooks import Hooks
-from megalign.capture.transformers_adapter import (BATCH_FIRST, SEQ_FIRST, is_experts, megatron_router,
-                                                   output_sharding, router_layer, routing_records)
+from megalign.capture.transformers_adapter import BATCH_FIRST, TransformersAdapter
 from megalign.dump.format import PRECISION_DTYPES, Kind, layer_of
 from megalign.dump.meta import package_version
 from megalign.dump.sharding import Sharding
@@ -29,11 +27,9 @@ from megalign.spec import RunSpec
 from megalign.stacks.batch import batch_rows, build_batch, mean_token_loss
 from megalign.stacks.events import emit, failures_reported
 from megalign.stacks.hf.checkpoint import HFCheckpoint, open_checkpoint
-from megalign.stacks.hf.families import SAME, Rule
 from megalign.stacks.hf.namemap import NameMap
 from megalign.stacks.meta import run_meta
 from megalign.stacks.precision import precision
-
 
 
 def run_worker(spec: RunSpec) -> None:
@@ -56,7 +52,8 @@ def _run(spec: RunSpec) -> None:
         dumper.add(Kind.INPUT, key, value, BATCH_FIRST)
 
     backward = spec.mode == "backward"
-    capture = HFCapture(model, checkpoint.names, dumper, spec.seq_len, moe=checkpoint.family.experts is not None)
+    adapter = TransformersAdapter(model, checkpoint.names, spec.seq_len, moe=checkpoint.family.experts is not None)
+    dumper.hook_outputs(model, adapter)
     with torch.set_grad_enabled(backward), precision(spec.dtype):
         logits = model(input_ids=inputs["tokens"], position_ids=inputs["position_ids"], use_cache=False).logits
         dumper.add(Kind.LOGITS, "logits", logits, BATCH_FIRST)
@@ -68,10 +65,9 @@ def _run(spec: RunSpec) -> None:
         dumper.add(Kind.LOSS, "loss", loss, Sharding())
         if backward:
             loss.backward()
-    capture.remove()
     emit(spec.mode, 0)
-    manifest = {"grad_coverage": write_param_grads(model, checkpoint.names, dumper, checkpoint.family.experts)} \
-        if backward else {}
+    manifest = {"grad_coverage": write_param_grads(model, adapter, checkpoint.names, dumper,
+                                                   checkpoint.family.experts)} if backward else {}
     dumper.close(manifest, lambda: run_meta(spec, elapsed_s=time.monotonic() - started, stack="hf",
                                             transformers=package_version("transformers"),
                                             rows=[row.to_dict() for row in rows], cp_split="document"))
@@ -92,89 +88,14 @@ def load_model(checkpoint: HFCheckpoint, spec: RunSpec) -> torch.nn.Module:
     return model.to(spec.device).train(False)  # eval: no dropout, as megatron's run (dropout 0)
 
 
-class HFCapture:
-    """Forward hooks on every HF module. An output with a megatron counterpart is written once all of
-    its parts are in (q, k and v for linear_qkv), joined and made sequence-first."""
-
-    def __init__(self, model: torch.nn.Module, names: NameMap, dumper: Dumper, seq_len: int, moe: bool = False):
-        self.names, self.dumper, self.seq_len = names, dumper, seq_len
-        self.pending: dict[str, dict[str, torch.Tensor]] = {}
-        # Outputs that come while a join waits for its parts (Qwen3's q_norm runs before k_proj) are
-        # written after it, in megatron's order: the fused linear_qkv runs before the q/k norms.
-        self.deferred: list[tuple] = []
-        self.hooks = Hooks()
-        for name, module in model.named_modules():
-            layer = router_layer(name) if moe else None
-            if layer is not None:
-                self.hooks.after_call(module, self._routing_hook(layer))
-                continue
-            if moe and is_experts(name):
-                continue
-            rule = names.rule_for_hf_module(name)
-            if not name or (rule is not None and rule.activation is None):
-                continue  # the root's output is the loss; lm_head's are the logits, written from the output
-            self.hooks.on_outputs(module, name, self._hook(name, rule))
-            takes = names.rule_for_hf_module(name, on="input")
-            if takes is not None:
-                self.hooks.on_input(module, name, self._input_hook(name, takes))
-
-    def _hook(self, name: str, rule: Rule | None):
-        def record(module, key, tensor, index):
-            if rule is not None and index == 0:
-                self._part(rule, name, tensor)
-            else:
-                self._hf_only(key, tensor)
-
-        return record
-
-    def _routing_hook(self, layer: int):
-        """The router's (logits, weights, experts) over [b*s] tokens, written as megatron's routing records."""
-        def record(module, inputs, output):
-            for key, tokens in routing_records(layer, output, self.seq_len).items():
-                self._write(key, tokens, SEQ_FIRST, megatron_router(layer), kind=Kind.ROUTING)
-
-        return record
-
-    def _input_hook(self, name: str, rule: Rule):
-        def record(module, key, tensor):
-            self._part(rule, name, tensor)
-
-        return record
-
-    def _part(self, rule: Rule, name: str, tensor: torch.Tensor) -> None:
-        parts = self.pending.setdefault(rule.megatron, {})
-        if tensor.ndim == 4 and tensor.shape[1] == 1:
-            tensor = tensor.squeeze(1)  # MLA's kv latent, viewed as one head [b, 1, s, r]: kv_b_proj's output too
-        parts[name] = tensor.detach().transpose(0, 1)  # HF's [b, s, ...] -> megatron's [s, b, ...]
-        if len(parts) < len(rule.hf):
-            return
-        del self.pending[rule.megatron]
-        value = self.names.join(rule, [parts[hf] for hf in rule.hf], dim=-1)
-        key = rule.megatron if rule.activation == SAME else rule.activation
-        self._write(key, value, SEQ_FIRST, rule.megatron, joined=True)
-
-    def _hf_only(self, key: str, tensor: torch.Tensor) -> None:
-        self._write(key, tensor, output_sharding(tensor, self.seq_len), key.split("#")[0])
-
-    def _write(self, key: str, tensor: torch.Tensor, sharding: Sharding, module: str, joined: bool = False,
-               kind: Kind = Kind.ACTIVATION) -> None:
-        # Everything deferred came after the join's first part: the join goes first.
-        self.deferred.insert(0 if joined else len(self.deferred), (kind, key, tensor, sharding, module))
-        if self.pending:
-            return
-        for kind, key, tensor, sharding, module in self.deferred:
-            self.dumper.add(kind, key, tensor, sharding, module=module)
-        self.deferred = []
-
-    def remove(self) -> None:
-        self.hooks.remove()
-
-
-def write_param_grads(model: torch.nn.Module, names: NameMap, dumper: Dumper, experts=None) -> dict:
-    """Gradients joined into megatron's parameters (fused QKV, fused gate/up); HF-only ones as they are.
-    MoE experts, fused in memory, are first cut into the checkpoint's per-expert tensors."""
-    grads = {name: param.grad for name, param in model.named_parameters()}
-    present = have_gradients(list(grads.values()))
+def write_param_grads(model: torch.nn.Module, adapter: TransformersAdapter, names: NameMap, dumper: Dumper,
+                      experts=None) -> dict:
+    """Gradients, read by `adapter`, joined into megatron's parameters (fused QKV, fused gate/up);
+    HF-only ones as they are. MoE experts, fused in memory, are first cut into the checkpoint's
+    per-expert tensors."""
+    params = dict(model.named_parameters())
+    grads = adapter.read_grads(params)
+    present = adapter.held(list(grads.values()), list(params.values()))
     coverage = check_coverage([name for name, seen in zip(grads, present) if not seen], len(grads), ".grad")
     if experts is not None:
         grads = {key: value for name, grad in grads.items()
