@@ -291,8 +291,9 @@ class Dumper:
 
     def hook_outputs(self, module: torch.nn.Module, adapter: Adapter) -> None:
         """Dump every output of `module` and its gradient as `adapter` hooks them (capture/adapter.py),
-        and not its parameters: megalign's megatron worker, whose adapter writes what its runs dump
-        beyond a user's model (megatron_adapter.WorkerOutputs) and which reads its gradients itself."""
+        and not its parameters (docs/python-api.md): megalign's megatron and transformers workers,
+        whose adapters write what their runs dump beyond a user's model and which read their
+        gradients themselves."""
         self._check_open("hook_outputs")
         with self._refusal_aborts():
             self._hook_outputs(adapter, module, adapter.name, "document", None)
