@@ -2,11 +2,11 @@
 Adapter). torch's DDP (unwrapped: its replicas are the DP group's), FSDP2 and tensor parallel's
 DTensors (placed by their own placements: dtensor.py), and any module's outputs: split over DP
 ranks on `batch_dim`, token tensors on `seq_dim`, the rows' real tokens from each call's
-attention_mask; how DDP and FSDP2 reduce gradients (for reducers.py). Ranks: torch.distributed's, each a DP rank over the world or over `dp_group`; under
-parallelize_module, TP ranks over its mesh (place_tensor_parallel), and the outputs read are those
-whose placements are known: each parallelized module's, as the DTensor its forward returns (before
-the style's hook makes it a plain local piece), and any DTensor output.
-"""
+attention_mask; how DDP and FSDP2 reduce gradients (for reducers.py). Ranks: torch.distributed's,
+each a DP rank over the world or over `dp_group`; under parallelize_module, TP ranks over its mesh
+(place_tensor_parallel), and the outputs read are those whose placements are known: each
+parallelized module's, as the DTensor its forward returns (before the style's hook makes it a plain
+local piece), and any DTensor output."""
 
 from __future__ import annotations
 
