@@ -17,8 +17,9 @@ from megalign.dump.sharding import Sharding
 SEQ_FIRST = Sharding(seq_dim=0, dp_dim=1)  # megatron's layout of module outputs
 BATCH_FIRST = Sharding(seq_dim=1, dp_dim=0)  # transformers' outputs, inputs, logits, logprobs
 
-# transformers 5's MoE block, in memory in every family: `mlp.gate` (the router) and `mlp.experts`.
-_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
+# transformers 5's MoE block, in memory in every family: `mlp.gate` (the router; GPT-OSS's `mlp.router`)
+# and `mlp.experts`.
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|router)$")
 _EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts(\.|$)")
 
 

@@ -121,11 +121,19 @@ class HFCapture:
     def _hook(self, name: str, rule: Rule | None):
         def record(module, key, tensor, index):
             if rule is not None and index == 0:
-                self._part(rule, name, tensor)
+                bias = self._bias_apart(module, rule)
+                self._part(rule, name, tensor if bias is None else tensor - bias)
+                if bias is not None:
+                    self._write(f"{rule.megatron}#1", bias.detach(), Sharding(), rule.megatron)
             else:
                 self._hf_only(key, tensor)
 
         return record
+
+    def _bias_apart(self, module: torch.nn.Module, rule: Rule) -> torch.Tensor | None:
+        if rule.bias_apart is None or not self.names.model.add_bias_linear:
+            return None
+        return module.get_submodule(rule.bias_apart).bias
 
     def _routing_hook(self, layer: int):
         """The router's (logits, weights, experts) over [b*s] tokens, written as megatron's routing records."""
