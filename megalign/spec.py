@@ -266,9 +266,6 @@ def check_layout(layout: Layout, model: ModelConfig, seq_len: int, sequences: in
         # Measured nowhere: megatron-core leaves softmax_offset unmarked for TP, so a loader cannot tell its split.
         raise UserError(f"--tp {layout.tp} with attention sinks (softmax_type learnable): megatron-core does not mark "
                         "softmax_offset as split over TP; use --ep")
-    if layout.cp > 1 and (model.softmax_type != "vanilla" or model.window_size is not None):
-        raise UserError(f"--cp {layout.cp} with attention sinks or a sliding window: megalign's CP attention on the "
-                        "local spec computes neither; use --ep")
     _check_experts(layout, model)
     layout.check_sequences(sequences)
     if model.num_attention_heads % layout.tp or model.num_query_groups % layout.tp:

@@ -117,7 +117,8 @@ def test_refused_gpt_oss_settings_are_one_line_exit_2(gpt_oss, tmp_path):
         assert result.exit_code == 2 and message in result.output, (changes, result.output)
         assert len(result.output.strip().splitlines()) == 1, result.output
     for layout, message in ((("--tp", "2", "--sp"), "--tp 2 with attention sinks"),
-                            (("--cp", "2"), "--cp 2 with attention sinks or a sliding window")):
+                            (("--cp", "2"), "--cp 2 with attention sinks or a sliding window"),
+                            (("--packed",), "--packed with attention sinks or a sliding window")):
         result = invoke("forward", "--hf", plain, *layout, "--out", tmp_path / "o")
         assert result.exit_code == 2 and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
