@@ -99,11 +99,11 @@ def _fused_parts(family: Family, files: dict[str, Path]) -> dict[str, str]:
     if family.experts is None or not family.experts.interleaved:
         return {}
     parts = {}
-    for name, file in files.items():
+    for file in set(files.values()):
         with safe_open(str(file), framework="pt") as f:
-            shape = f.get_slice(name).get_shape()
-        parts.update((part, name) for part in family.experts.unfuse(name, torch.empty(shape, device="meta"))
-                     if part != name)
+            for name in f.keys():
+                fused = torch.empty(f.get_slice(name).get_shape(), device="meta")
+                parts.update((part, name) for part in family.experts.unfuse(name, fused) if part != name)
     return parts
 
 
