@@ -63,8 +63,8 @@ class ModelConfig:
     max_position_embeddings: int = 256
     position_embedding: Literal["rope", "yarn", "learned_absolute"] = "rope"
     rotary_base: float = 10000.0
-    # YaRN (position_embedding yarn, or MLA's rope with multi_latent_attention): megatron's yarn_* settings. A
-    # None mscale or mscale_all_dim makes the attention factor 0.1 ln(factor) + 1, else their ratio.
+    # YaRN (position_embedding yarn; under multi_latent_attention, MLA's own rope_type yarn): megatron's yarn_*
+    # settings. A None mscale or mscale_all_dim makes the attention factor 0.1 ln(factor) + 1, else their ratio.
     yarn_rotary_scaling_factor: float = 1.0
     yarn_original_max_position_embeddings: int = 4096
     yarn_beta_fast: float = 32.0
@@ -174,9 +174,10 @@ class ModelConfig:
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
         self._validate_moe(source)
-        self._validate_gptoss(source)
+        self._validate_variants(source)
 
-    def _validate_gptoss(self, source: str) -> None:
+    def _validate_variants(self, source: str) -> None:
+        """The activation, attention and RoPE variants (GPT-OSS's, YaRN)."""
         if self.activation not in ("silu", "quick_gelu"):
             raise UserError(f"{source}: activation must be silu or quick_gelu")
         if self.softmax_type not in ("vanilla", "learnable"):
@@ -263,7 +264,7 @@ def check_layout(layout: Layout, model: ModelConfig, seq_len: int, sequences: in
                         "linear_kv_down_proj's output over TP, whose backward keeps each rank's slice and drops the "
                         "other ranks' heads' share of the rope key's gradient; use --cp or --ep")
     if layout.tp > 1 and model.softmax_type != "vanilla":
-        # Measured nowhere: megatron-core leaves softmax_offset unmarked for TP, so a loader cannot tell its split.
+        # megatron-core gives softmax_offset no tensor_model_parallel mark: its shard cannot be told apart from a copy.
         raise UserError(f"--tp {layout.tp} with attention sinks (softmax_type learnable): megatron-core does not mark "
                         "softmax_offset as split over TP; use --ep")
     _check_experts(layout, model)

@@ -284,11 +284,10 @@ def _gpt_oss(raw: dict, source: str) -> dict:
     types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if set(types) - {"sliding_attention", "full_attention"}:
         raise UserError(f"{source}: layer_types {sorted(set(types))}: only sliding_attention and full_attention")
-    window = raw.get("sliding_window")
+    window, limit = raw.get("sliding_window"), raw.get("swiglu_limit", 7.0)
     fields = {**_moe(raw, source, ffn="intermediate_size"), "add_bias_linear": True, "softmax_type": "learnable",
               "activation": "quick_gelu", "glu_linear_offset": 1.0,
-              "activation_func_clamp_value": None if raw.get("swiglu_limit", 7.0) is None
-              else float(raw.get("swiglu_limit", 7.0))}
+              "activation_func_clamp_value": None if limit is None else float(limit)}
     if window and "sliding_attention" in types:
         # transformers' window holds the query and the sliding_window - 1 keys before it.
         fields.update(window_size=[window - 1, 0], window_attn_skip_freq=[int(t == "sliding_attention") for t in types])
