@@ -61,16 +61,34 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     vocab_size: int = 128
     max_position_embeddings: int = 256
-    position_embedding: Literal["rope", "learned_absolute"] = "rope"
+    position_embedding: Literal["rope", "yarn", "learned_absolute"] = "rope"
     rotary_base: float = 10000.0
+    # YaRN (position_embedding yarn; under multi_latent_attention, MLA's own rope_type yarn): megatron's yarn_*
+    # settings. A None mscale or mscale_all_dim makes the attention factor 0.1 ln(factor) + 1, else their ratio.
+    yarn_rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: Optional[float] = None
+    yarn_mscale_all_dim: Optional[float] = None
+    yarn_correction_range_round_to_int: bool = True
     rotary_percent: float = 1.0  # the share of each head's channels RoPE rotates (GLM's partial_rotary_factor)
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
     layernorm_epsilon: float = 1e-5
-    swiglu: bool = True
+    swiglu: bool = True  # a gated MLP: activation(gate) * (up + glu_linear_offset)
+    activation: Literal["silu", "quick_gelu"] = "silu"  # quick_gelu: x * sigmoid(1.702 x) (GPT-OSS)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None  # gate clamped above, up on both sides (quick_gelu only)
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     qk_layernorm: bool = False
     tie_embeddings: bool = False
+    # learnable: a per-head logit in every attention softmax's denominator (GPT-OSS's sinks, softmax_offset).
+    softmax_type: Literal["vanilla", "learnable"] = "vanilla"
+    # Sliding-window attention: megatron's window_size [left, right] (how many keys before and after each
+    # query it sees) on the layers window_attn_skip_freq marks 1 (0: full attention); None: all windowed.
+    window_size: Optional[list[int]] = None
+    window_attn_skip_freq: Optional[list[int]] = None
     init_method_std: float = 0.02
     # Mixture of experts (megatron-core's MoELayer in every layer) when num_moe_experts is set.
     num_moe_experts: Optional[int] = None
@@ -151,11 +169,43 @@ class ModelConfig:
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise UserError(f"{source}: hidden_size={self.hidden_size} is not a multiple of "
                             f"num_attention_heads={self.num_attention_heads}; set kv_channels")
-        if self.position_embedding not in ("rope", "learned_absolute"):
-            raise UserError(f"{source}: position_embedding must be rope or learned_absolute")
+        if self.position_embedding not in ("rope", "yarn", "learned_absolute"):
+            raise UserError(f"{source}: position_embedding must be rope, yarn or learned_absolute")
         if self.normalization not in ("RMSNorm", "LayerNorm"):
             raise UserError(f"{source}: normalization must be RMSNorm or LayerNorm")
         self._validate_moe(source)
+        self._validate_variants(source)
+
+    def _validate_variants(self, source: str) -> None:
+        """The activation, attention and RoPE variants (GPT-OSS's, YaRN)."""
+        if self.activation not in ("silu", "quick_gelu"):
+            raise UserError(f"{source}: activation must be silu or quick_gelu")
+        if self.softmax_type not in ("vanilla", "learnable"):
+            raise UserError(f"{source}: softmax_type must be vanilla or learnable")
+        for name in ("glu_linear_offset", "yarn_rotary_scaling_factor", "yarn_beta_fast", "yarn_beta_slow"):
+            if not is_number(getattr(self, name)) or not math.isfinite(getattr(self, name)):
+                raise UserError(f"{source}: {name} must be a finite number, got {getattr(self, name)!r}")
+        for name in ("activation_func_clamp_value", "yarn_mscale", "yarn_mscale_all_dim"):
+            value = getattr(self, name)
+            if value is not None and (not is_number(value) or not math.isfinite(value) or value <= 0):
+                raise UserError(f"{source}: {name} must be a finite number > 0, got {value!r}")
+        if self.activation_func_clamp_value is not None and self.activation != "quick_gelu":
+            # megatron clamps only in its quick_gelu GLU; silu would run unclamped
+            raise UserError(f"{source}: activation_func_clamp_value needs activation quick_gelu")
+        if not is_int(self.yarn_original_max_position_embeddings) or self.yarn_original_max_position_embeddings <= 0:
+            raise UserError(f"{source}: yarn_original_max_position_embeddings must be a positive integer")
+        if not isinstance(self.yarn_correction_range_round_to_int, bool):
+            raise UserError(f"{source}: yarn_correction_range_round_to_int must be true or false")
+        if self.window_size is not None and (
+                not isinstance(self.window_size, list) or len(self.window_size) != 2
+                or any(not is_int(v) or v < -1 for v in self.window_size)):
+            raise UserError(f"{source}: window_size must be [left, right], whole numbers (-1: unbounded), "
+                            f"got {self.window_size!r}")
+        if self.window_attn_skip_freq is not None and (
+                not isinstance(self.window_attn_skip_freq, list) or len(self.window_attn_skip_freq) != self.num_layers
+                or any(v not in (0, 1) for v in self.window_attn_skip_freq)):
+            raise UserError(f"{source}: window_attn_skip_freq must list 1 (windowed) or 0 (full) for each of the "
+                            f"{self.num_layers} layers, got {self.window_attn_skip_freq!r}")
 
     def _validate_moe(self, source: str) -> None:
         if self.num_moe_experts is None:
@@ -213,6 +263,10 @@ def check_layout(layout: Layout, model: ModelConfig, seq_len: int, sequences: in
         raise UserError(f"--tp {layout.tp} with multi-latent attention: megatron-core's MLA gathers "
                         "linear_kv_down_proj's output over TP, whose backward keeps each rank's slice and drops the "
                         "other ranks' heads' share of the rope key's gradient; use --cp or --ep")
+    if layout.tp > 1 and model.softmax_type != "vanilla":
+        # megatron-core gives softmax_offset no tensor_model_parallel mark: its shard cannot be told apart from a copy.
+        raise UserError(f"--tp {layout.tp} with attention sinks (softmax_type learnable): megatron-core does not mark "
+                        "softmax_offset as split over TP; use --ep")
     _check_experts(layout, model)
     layout.check_sequences(sequences)
     if model.num_attention_heads % layout.tp or model.num_query_groups % layout.tp:

@@ -22,8 +22,9 @@ from megalign.dump.sharding import Sharding
 SEQ_FIRST = Sharding(seq_dim=0, dp_dim=1)  # megatron's layout of module outputs
 BATCH_FIRST = Sharding(seq_dim=1, dp_dim=0)  # transformers' outputs, inputs, logits, logprobs
 
-# transformers 5's MoE block, in memory in every family: `mlp.gate` (the router) and `mlp.experts`.
-_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate$")
+# transformers 5's MoE block, in memory in every family: `mlp.gate` (the router; GPT-OSS's `mlp.router`)
+# and `mlp.experts`.
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|router)$")
 _EXPERTS = re.compile(r"^model\.layers\.\d+\.mlp\.experts(\.|$)")
 
 
@@ -63,7 +64,9 @@ def output_sharding(tensor: torch.Tensor, seq_len: int) -> Sharding:
 class MegatronNames(Protocol):
     """The stack's map of a model's HF modules to megatron's (stacks/hf/namemap.py's NameMap). A rule
     has `megatron` (its module's name), `hf` (the HF modules it is joined from, in order) and
-    `written_as` (the name its output is written under; None: written some other way)."""
+    `written_as` (the name its output is written under; None: written some other way) and `bias_apart`
+    (the submodule whose bias megatron returns apart; None: none). `model` is the megatron model's
+    config (its `add_bias_linear`)."""
 
     def rule_for_hf_module(self, hf_module: str, on: str = "output"):
         """The rule that writes `hf_module`'s output (or, on="input", its first input); None: none does."""
@@ -107,11 +110,19 @@ class TransformersAdapter(TorchParams):
     def _output_hook(self, sink: Sink, path: str, rule) -> Callable:
         def record(module, key, tensor, index):
             if rule is not None and index == 0:
-                self._part(sink, rule, path, tensor)
+                bias = self._bias_apart(module, rule)
+                self._part(sink, rule, path, tensor if bias is None else tensor - bias)
+                if bias is not None:  # megatron returns linear_proj's bias apart, as its output #1
+                    self._write(sink, f"{rule.megatron}#1", bias.detach(), Sharding(), rule.megatron)
             else:
                 self._write(sink, key, tensor, output_sharding(tensor, self.seq_len), key.split("#")[0])
 
         return record
+
+    def _bias_apart(self, module: torch.nn.Module, rule) -> Optional[torch.Tensor]:
+        if rule.bias_apart is None or not self.names.model.add_bias_linear:
+            return None
+        return module.get_submodule(rule.bias_apart).bias
 
     def _input_hook(self, sink: Sink, path: str, rule) -> Callable:
         def record(module, key, tensor):

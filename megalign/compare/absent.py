@@ -31,6 +31,8 @@ REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), s
      "megatron's batch-first lookup; the `embedding` row holds the same values"),
     (r"^decoder$", "stack", "megatron's decoder block: its output is the `decoder.final_layernorm` row"),
     (r"mlp(\.shared_experts)?\.act_fn$", "stack", "SiLU(gate) alone, fused into SwiGLU by megatron; SwiGLU's output is linear_fc2#input"),
+    (r"^model\.layers\.\d+\.mlp#1$", "stack", "GPT-OSS's MoE block also returns its routing weights: the router's "
+     "`weights` row"),
     (r"^(labels|loss_mask|logprobs|loss)$", "server", "a training run's: an sglang server computes no loss"),
     (r"^logits$", "server", "an sglang server's dump without its logits processor's next-token logits"),
     (r"self_attention\.linear_qkv$", "server",

@@ -38,6 +38,17 @@ def check_attention(attention: str, cp: int, dtype: str, packed: bool) -> None:
         raise UserError("--attention te needs TransformerEngine, which is not installed")
 
 
+def check_attention_features(model: ModelConfig, attention: str, cp: int, packed: bool) -> None:
+    """GPT-OSS's sinks and window are megatron's local DotProductAttention's; megalign's torch attention, which
+    CP and packed rows use, computes neither."""
+    if model.softmax_type == "vanilla" and model.window_size is None:
+        return
+    if attention == "torch" or cp > 1 or packed:
+        used = "--attention torch" if attention == "torch" else f"--cp {cp}" if cp > 1 else "--packed"
+        raise UserError(f"{used} with attention sinks or a sliding window: megalign's torch attention (CP, packed "
+                        "rows) computes neither; use --ep")
+
+
 def resolve_model(config: RunConfig) -> ModelConfig:
     """--hf derives the model from the checkpoint's config.json; else --config; else --load's megalign.json;
     else the tiny model. With --load, --hf or --config must be the checkpoint's model."""
@@ -135,6 +146,7 @@ def plan_run(config: RunConfig) -> RunSpec:
     if output.filter:
         compile_pattern("--filter", output.filter)
     check_attention(numerics.attention, p.cp, numerics.dtype, batch.packed)
+    check_attention_features(model, numerics.attention, p.cp, batch.packed)
     timeout_s = config.launch.timeout_s
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UserError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")

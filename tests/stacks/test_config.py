@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,17 @@ def test_the_start_up_patch_target_still_exists_in_megatron_core():
     import megatron.core.jit as jit
 
     assert "jit_fuser = torch.compile" in inspect.getsource(jit.enable_jit_fuser)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"activation": "gelu"}, "activation must be silu or quick_gelu"),
+    ({"activation_func_clamp_value": 7.0}, "activation_func_clamp_value needs activation quick_gelu"),
+    ({"softmax_type": "off-by-one"}, "softmax_type must be vanilla or learnable"),
+    ({"window_size": [7]}, "window_size must be [left, right]"),
+    ({"window_size": [7, 0], "window_attn_skip_freq": [1]}, "window_attn_skip_freq must list 1 (windowed) or 0"),
+    ({"position_embedding": "yarn", "yarn_mscale": 0.0}, "yarn_mscale must be a finite number > 0"),
+])
+def test_a_variant_setting_out_of_range_is_named(changes, message):
+    """GPT-OSS's attention and MLP variants and YaRN, as a config file gives them."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        ModelConfig.from_dict(changes)

@@ -8,7 +8,7 @@ mapping would silently drop part of the model.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -33,6 +33,12 @@ class HFCheckpoint:
     model: ModelConfig
     names: NameMap
     files: dict[str, Path]  # tensor name -> the safetensors file holding it
+    # A per-expert tensor the mapping reads -> the fused tensor on disk it is cut from (Experts.unfuse).
+    fused: dict[str, str] = field(default_factory=dict)
+
+    def tensor_names(self) -> set[str]:
+        """The tensors the mapping can read: the files', the fused ones as their per-expert parts."""
+        return (set(self.files) - set(self.fused.values())) | set(self.fused)
 
 
 def open_checkpoint(path: Path) -> HFCheckpoint:
@@ -43,7 +49,9 @@ def open_checkpoint(path: Path) -> HFCheckpoint:
     family = family_of(raw, str(path / CONFIG))
     model = model_config(raw, family, name=f"{family.model_type}:{path.name}", source=str(path / CONFIG))
     names = NameMap(family, model, family.row_orders(raw, model))
-    checkpoint = HFCheckpoint(path=path, family=family, model=model, names=names, files=_tensor_files(path))
+    files = _tensor_files(path)
+    checkpoint = HFCheckpoint(path=path, family=family, model=model, names=names, files=files,
+                              fused=_fused_parts(family, files))
     _check_coverage(checkpoint)
     return checkpoint
 
@@ -86,16 +94,30 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return files
 
 
+def _fused_parts(family: Family, files: dict[str, Path]) -> dict[str, str]:
+    """Each per-expert tensor of the family's fused experts -> its fused tensor on disk (shapes read, not data)."""
+    if family.experts is None or not family.experts.interleaved:
+        return {}
+    parts = {}
+    for file in set(files.values()):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                fused = torch.empty(f.get_slice(name).get_shape(), device="meta")
+                parts.update((part, name) for part in family.experts.unfuse(name, fused) if part != name)
+    return parts
+
+
 def _check_coverage(checkpoint: HFCheckpoint) -> None:
     needed = {hf for _, parts in checkpoint.names.params().values() for hf in parts} | \
         set(checkpoint.names.buffers().values())
     # Some exports also save the tied copy of the embeddings as lm_head.weight.
     allowed = needed | ({"lm_head.weight"} if checkpoint.model.tie_embeddings else set())
-    missing = sorted(needed - set(checkpoint.files))
+    present = checkpoint.tensor_names()
+    missing = sorted(needed - present)
     if missing:
         raise UserError(f"--hf {checkpoint.path}: {len(missing)} tensor(s) missing for {checkpoint.family.architecture}"
                         f": {', '.join(missing[:4])}" + (" ..." if len(missing) > 4 else ""))
-    extra = sorted(n for n in set(checkpoint.files) - allowed
+    extra = sorted(n for n in present - allowed
                    if not n.endswith(IGNORED_SUFFIXES) and not _is_mtp(n, checkpoint.model.num_layers))
     if extra:
         raise UserError(f"--hf {checkpoint.path}: tensor(s) the {checkpoint.family.architecture} mapping cannot "
@@ -112,8 +134,10 @@ def _is_mtp(name: str, layers: int) -> bool:
 def read_tensors(checkpoint: HFCheckpoint, names) -> list[torch.Tensor]:
     out = []
     for name in names:
-        with safe_open(str(checkpoint.files[name]), framework="pt") as f:
-            out.append(f.get_tensor(name))
+        stored = checkpoint.fused.get(name, name)
+        with safe_open(str(checkpoint.files[stored]), framework="pt") as f:
+            tensor = f.get_tensor(stored)
+        out.append(checkpoint.family.experts.unfuse(stored, tensor)[name].contiguous() if stored != name else tensor)
     return out
 
 

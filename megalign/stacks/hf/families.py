@@ -32,11 +32,18 @@ class Rule:
     params: bool = True  # False: the megatron module holds no parameter of its own here
     # "output": the HF module's output; "input": its first input (forward pre-hook), for computations
     # that are a module in one stack and a bare function in the other.
-    on: str = "output"
+    on: str = "output"  # or "none": a rule of parameters only, whose HF module's output another rule writes
     layers: str = "all"  # "dense" or "moe": a rule of only the dense or only the MoE layers (moe_layer_freq)
     when: Optional[str] = None  # a ModelConfig flag the module exists under (GLM's use_qk_norm is optional)
     # Buffers loaded with the weights, (megatron's name, HF's) under the modules': no gradient, no output.
     buffers: tuple[tuple[str, str], ...] = ()
+    # The parameters, (megatron's name, HF's), where they are not the module's weight (and bias, where biased):
+    # GPT-OSS's sinks, megatron's core_attention.softmax_offset.
+    tensors: tuple[tuple[str, str], ...] = ()
+    # Under add_bias_linear megatron returns this module's output without its last linear's bias and the bias
+    # apart (output #1, for the fused bias-dropout-add): the HF linear holding it, relative to the HF module
+    # ("" itself), whose bias the HF capture takes off and writes apart likewise.
+    bias_apart: Optional[str] = None
 
     def expand(self, layer: int, expert: int = 0) -> "Rule":
         return replace(self, megatron=self.megatron.format(i=layer, e=expert),
@@ -70,6 +77,11 @@ class Experts:
     gate: str
     up: str
     down: str
+    router: str = "gate"  # GPT-OSS's is `mlp.router`
+    # GPT-OSS keeps its experts fused on disk as in memory, transposed, gate and up interleaved
+    # (gate_up_proj [experts, hidden, 2*ffn], gate `::2`, up `1::2`; down_proj [experts, ffn, hidden]), each
+    # with a bias (`gate_up_proj_bias`, `down_proj_bias`): read as per-expert gate/up/down tensors (unfuse).
+    interleaved: bool = False
     # DeepSeek's MoE (GLM-4.5's too): a shared expert (`mlp.shared_experts`, a gate/up/down MLP, megatron's
     # shared_experts) and the router's bias added to the scores for the choice only
     # (`gate.e_score_correction_bias`, a buffer: megatron's router.expert_bias buffer).
@@ -80,7 +92,7 @@ class Experts:
         shared = f"{moe}.shared_experts"
         return tuple(replace(rule, layers="moe") for rule in (
             # Routing is written by the router's own hook (worker.py), as kind `routing`.
-            Rule(f"{_M}.mlp.router", (f"{moe}.gate",), activation=None,
+            Rule(f"{_M}.mlp.router", (f"{moe}.{self.router}",), activation=None,
                  buffers=(("expert_bias", "e_score_correction_bias"),) if self.deepseek else ()),
             Rule(f"{_M}.mlp.experts.{{e}}.linear_fc1", (f"{experts}.{self.gate}", f"{experts}.{self.up}"), join="cat",
                  activation=None),
@@ -93,6 +105,8 @@ class Experts:
     def checkpoint_grads(self, name: str, grad: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
         """An in-memory parameter's gradient under the checkpoint's names (the experts unfused)."""
         prefix = f"model.layers.{layer}.{self.block}"
+        if self.interleaved:
+            return self.unfuse(name, grad)
         if name.endswith(".mlp.gate.weight"):
             return {f"{prefix}.gate.weight": grad}
         if name.endswith(".mlp.experts.gate_up_proj"):
@@ -102,6 +116,22 @@ class Experts:
         if name.endswith(".mlp.experts.down_proj"):
             return {f"{prefix}.experts.{e}.{self.down}.weight": g for e, g in enumerate(grad)}
         return {name: grad}
+
+    def unfuse(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """GPT-OSS's fused expert tensor (a weight or its gradient, on disk or in memory: the same layout) as
+        per-expert tensors in the nn.Linear layout ([out, in]) under per-expert names; any other as it is."""
+        fused, _, kind = name.rpartition(".experts.")
+        suffix = "bias" if kind.endswith("_bias") else "weight"
+        if kind.removesuffix("_bias") == "gate_up_proj":
+            # [E, H, 2I] -> per expert [2I, H]; [E, 2I] -> [2I]: the interleaved columns become rows.
+            rows = tensor if suffix == "bias" else tensor.transpose(1, 2)
+            parts = ((self.gate, rows[:, 0::2]), (self.up, rows[:, 1::2]))
+        elif kind.removesuffix("_bias") == "down_proj":
+            parts = ((self.down, tensor if suffix == "bias" else tensor.transpose(1, 2)),)
+        else:
+            return {name: tensor}
+        return {f"{fused}.experts.{e}.{linear}.{suffix}": values[e] for linear, values in parts
+                for e in range(values.shape[0])}
 
 
 def _decoder_rules(qk_norm: bool = False, experts: Optional[Experts] = None) -> tuple[Rule, ...]:
@@ -125,8 +155,8 @@ def _decoder_rules(qk_norm: bool = False, experts: Optional[Experts] = None) -> 
           if qk_norm else ()),
         # The attention output before the output projection: megatron's core_attention module, o_proj's input.
         Rule(f"{_M}.self_attention.core_attention", (f"{_L}.self_attn.o_proj",), params=False, on="input"),
-        Rule(f"{_M}.self_attention.linear_proj", (f"{_L}.self_attn.o_proj",)),
-        Rule(f"{_M}.self_attention", (f"{_L}.self_attn",), params=False),
+        Rule(f"{_M}.self_attention.linear_proj", (f"{_L}.self_attn.o_proj",), bias_apart=""),
+        Rule(f"{_M}.self_attention", (f"{_L}.self_attn",), params=False, bias_apart="o_proj"),
         Rule(f"{_M}.pre_mlp_layernorm", (f"{_L}.post_attention_layernorm",)),
         *(experts.rules() if experts else ()), *dense_mlp,
         # The MLP's (or MoE block's) output: `mlp` in memory in every family.
@@ -144,6 +174,18 @@ QWEN3_RULES = _decoder_rules(qk_norm=True)
 QWEN3_MOE_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 MIXTRAL_EXPERTS = Experts(block="block_sparse_moe", gate="w1", up="w3", down="w2")
 DEEPSEEK_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", deepseek=True)
+GPT_OSS_EXPERTS = Experts(block="mlp", gate="gate_proj", up="up_proj", down="down_proj", router="router",
+                          interleaved=True)
+
+
+def _gpt_oss_rules() -> tuple[Rule, ...]:
+    """Llama's layout with biased linears everywhere (ModelConfig.add_bias_linear), the sinks as the core
+    attention's softmax_offset, and the MoE block with GPT-OSS's fused experts and `mlp.router`."""
+    sinks = Rule(f"{_M}.self_attention.core_attention", (f"{_L}.self_attn",), activation=None, on="none",
+                 tensors=(("softmax_offset", "sinks"),))
+    rules = _decoder_rules(experts=GPT_OSS_EXPERTS)
+    at = next(i for i, rule in enumerate(rules) if rule.megatron.endswith(".self_attention.core_attention"))
+    return (*rules[:at], sinks, *rules[at:])
 
 
 def _deepseek_v3_rules(q_lora: bool) -> tuple[Rule, ...]:
@@ -231,6 +273,32 @@ def _glm4_moe(raw: dict, source: str) -> dict:
             "moe_router_fp32": True}
 
 
+def _gpt_oss(raw: dict, source: str) -> dict:
+    """GPT-OSS: biased attention with sinks, sliding-window attention on the layers layer_types names, softmax
+    routing over biased router logits, experts with a clamped quick-GELU GLU: (up + 1) * gate * sigmoid(1.702 gate)."""
+    if raw.get("quantization_config"):
+        # The published experts are MXFP4 blocks and scales (gate_up_proj_blocks, _scales).
+        raise UserError(f"{source}: quantized weights ({raw['quantization_config'].get('quant_method', '?')}) are "
+                        "not read; dequantise to bf16 or fp32 first")
+    if not raw.get("attention_bias", True):
+        raise UserError(f"{source}: attention_bias=false leaves the attention unbiased and the experts biased, "
+                        "which megatron's add_bias_linear cannot express")
+    if raw.get("swiglu_alpha", 1.702) != 1.702:
+        raise UserError(f"{source}: swiglu_alpha={raw['swiglu_alpha']}: megatron's quick_gelu is x * sigmoid(1.702 x)")
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if set(types) - {"sliding_attention", "full_attention"}:
+        raise UserError(f"{source}: layer_types {sorted(set(types))}: only sliding_attention and full_attention")
+    window, limit = raw.get("sliding_window"), raw.get("swiglu_limit", 7.0)
+    fields = {**_moe(raw, source, ffn="intermediate_size"), "add_bias_linear": True, "softmax_type": "learnable",
+              "activation": "quick_gelu", "glu_linear_offset": 1.0,
+              "activation_func_clamp_value": None if limit is None else float(limit)}
+    if window and "sliding_attention" in types:
+        # transformers' window holds the query and the sliding_window - 1 keys before it.
+        fields.update(window_size=[window - 1, 0], window_attn_skip_freq=[int(t == "sliding_attention") for t in types])
+    return fields
+
+
 def _deepseek_v3(raw: dict, source: str) -> dict:
     """MLA and DeepSeek's MoE."""
     if raw.get("quantization_config"):
@@ -314,6 +382,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts=MIXTRAL_EXPERTS),
     Family("glm4_moe", "Glm4MoeForCausalLM", _decoder_rules(qk_norm=True, experts=DEEPSEEK_EXPERTS), _glm4_moe,
            experts=DEEPSEEK_EXPERTS),
+    Family("gpt_oss", "GptOssForCausalLM", _gpt_oss_rules(), _gpt_oss, experts=GPT_OSS_EXPERTS),
     Family("deepseek_v3", "DeepseekV3ForCausalLM", lambda model: _deepseek_v3_rules(model.q_lora_rank is not None),
            _deepseek_v3, experts=DEEPSEEK_EXPERTS, row_orders=_mla_rope_rows),
 )}
@@ -342,13 +411,15 @@ def model_config(raw: dict, family: Family, name: str, source: str) -> ModelConf
             # Always explicit: Qwen3's head_dim need not be hidden_size / heads.
             kv_channels=raw.get("head_dim") or raw["hidden_size"] // heads,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rotary_base=float(_rope_theta(raw, source)), layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)),
+            **_rope_fields(raw, source), layernorm_epsilon=float(raw.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            position_embedding="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+            normalization="RMSNorm", swiglu=True, add_bias_linear=False,
         )
         fields.update(family.config(raw, source))
     except KeyError as e:
         raise UserError(f"{source}: config.json has no {e.args[0]!r}") from None
+    if fields["position_embedding"] == "yarn":
+        _check_yarn(fields, source)
     return ModelConfig.from_dict(fields, source=source)
 
 
@@ -356,10 +427,38 @@ def _rope(raw: dict) -> dict:
     return raw.get("rope_parameters") or raw.get("rope_scaling") or {}
 
 
-def _rope_theta(raw: dict, source: str) -> float:
-    """transformers 5 writes rope_parameters; older checkpoints rope_theta and rope_scaling."""
+def _rope_fields(raw: dict, source: str) -> dict:
+    """transformers 5 writes rope_parameters; older checkpoints rope_theta and rope_scaling. Plain RoPE, or YaRN
+    as megatron's YarnRotaryEmbedding computes it (transformers' _compute_yarn_parameters)."""
     rope = _rope(raw)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise UserError(f"{source}: RoPE scaling {kind!r} is not supported (only plain RoPE)")
-    return rope.get("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = {"rotary_base": float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))), "position_embedding": "rope"}
+    if kind == "default":
+        return theta
+    if kind != "yarn":
+        raise UserError(f"{source}: RoPE scaling {kind!r} is not supported (plain RoPE and yarn only)")
+    if rope.get("attention_factor") is not None:
+        raise UserError(f"{source}: YaRN attention_factor={rope['attention_factor']}: megatron derives it from "
+                        "factor, mscale and mscale_all_dim only")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    original = raw.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+        or raw["max_position_embeddings"]
+    return {**theta, "position_embedding": "yarn",
+            "yarn_rotary_scaling_factor": float(rope.get("factor") or raw["max_position_embeddings"] / original),
+            "yarn_original_max_position_embeddings": original,
+            "yarn_beta_fast": float(rope.get("beta_fast") or 32), "yarn_beta_slow": float(rope.get("beta_slow") or 1),
+            # transformers takes their ratio only when both are set and non-zero, else 0.1 ln(factor) + 1 (megatron:
+            # when neither is None); MLA also scales its softmax by mscale_all_dim alone.
+            "yarn_mscale": float(mscale) if mscale and mscale_all_dim else None,
+            "yarn_mscale_all_dim": float(mscale_all_dim) if mscale_all_dim else None,
+            "yarn_correction_range_round_to_int": bool(rope.get("truncate", True))}
+
+
+def _check_yarn(fields: dict, source: str) -> None:
+    if fields.get("rotary_percent", 1.0) != 1.0:
+        # megatron's YarnRotaryEmbedding sizes its frequencies from the whole head (kv_channels).
+        raise UserError(f"{source}: YaRN with partial_rotary_factor={fields['rotary_percent']}: megatron's YaRN "
+                        "spans the whole head")
+    if fields.get("multi_latent_attention") and not fields["yarn_correction_range_round_to_int"]:
+        raise UserError(f"{source}: YaRN with truncate=false under multi-latent attention: megatron's MLA always "
+                        "rounds the correction range")

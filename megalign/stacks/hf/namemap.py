@@ -83,7 +83,14 @@ class NameMap:
             # Tied embeddings: megatron's output layer reuses the word embeddings, as HF's lm_head does.
             if not rule.params or (rule.megatron == OUTPUT_LAYER and self.model.tie_embeddings):
                 continue
-            suffixes = ("weight", "bias") if rule.join == "qkv" and self.model.add_qkv_bias else ("weight",)
-            for suffix in suffixes:
-                out[f"{rule.megatron}.{suffix}"] = (rule, tuple(f"{hf}.{suffix}" for hf in rule.hf))
+            for ours, theirs in rule.tensors or self._weights(rule):
+                out[f"{rule.megatron}.{ours}"] = (rule, tuple(f"{hf}.{theirs}" for hf in rule.hf))
         return out
+
+    def _weights(self, rule: Rule) -> tuple[tuple[str, str], ...]:
+        """A module's weight, and its bias where megatron gives it one: every linear and the router under
+        add_bias_linear (not the output layer), q/k/v under add_qkv_bias."""
+        last = rule.megatron.rsplit(".", 1)[-1]
+        biased = (rule.join == "qkv" and self.model.add_qkv_bias) or \
+            (self.model.add_bias_linear and (last.startswith("linear_") or last == "router"))
+        return (("weight", "weight"), ("bias", "bias")) if biased else (("weight", "weight"),)

@@ -92,6 +92,31 @@ def _cpu_causal_mask():
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _cpu_sliding_window_mask():
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    get_sliding_window_causal_mask = _on_cpu(utils.get_sliding_window_causal_mask)
+    # fused_softmax imported it by name: both references are replaced.
+    for module in (utils, fused_softmax):
+        module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
+def _expert_fc2_bias_out_of_place():
+    from megatron.core.transformer.mlp import MLP
+
+    init = MLP.__init__
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        init(self, config, submodules, *args, **kwargs)
+        # An expert adds its fc2 bias, scaled by the routing weight, in place on fc2's output: a view made
+        # inside the linear's autograd Function, which backward refuses. A copy computes the same.
+        if self.config.add_bias_linear and getattr(self.linear_fc2, "is_expert", False):
+            self.linear_fc2.register_forward_hook(lambda module, inputs, output: (output[0].clone(), *output[1:]))
+
+    MLP.__init__ = __init__
+
+
 def _cpu_streams():
     torch.cuda.current_stream = lambda *args, **kwargs: torch.cpu.current_stream()
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -313,6 +338,11 @@ MLA_NORMS_WITHOUT_Q_LORA = Patch(
     "with q_lora_rank null the MLA norm resolver asks for TransformerEngine's fused norm+linear "
     "(transformer/mla_qk_norm_config.py)", _mla_norms_without_q_lora)
 
+EXPERT_FC2_BIAS = Patch(("megatron.core.transformer.mlp:MLP.__init__",),
+                        "with biased experts (GPT-OSS) the expert MLP adds its fc2 bias in place on the linear's "
+                        "output, a view autograd refuses to modify in backward (local spec, CPU or GPU)",
+                        _expert_fc2_bias_out_of_place)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(("torch.cuda:current_device",), "model build asks for the current CUDA device", _cpu_current_device),
     Patch(("megatron.core.tensor_parallel.random:CudaRNGStatesTracker",
@@ -321,6 +351,9 @@ PATCHES: tuple[Patch, ...] = (
           "the RNG tracker saves and restores CUDA generator states", _cpu_rng_tracker),
     Patch(("megatron.core.fusions.fused_softmax:get_default_causal_mask",),
           "transformer/utils.py builds the causal mask with device='cuda'", _cpu_causal_mask),
+    Patch(("megatron.core.transformer.utils:get_sliding_window_causal_mask",
+           "megatron.core.fusions.fused_softmax:get_sliding_window_causal_mask"),
+          "transformer/utils.py builds the sliding-window mask with device='cuda'", _cpu_sliding_window_mask),
     Patch(("torch.cuda:current_stream", "torch.cuda:synchronize", "torch.cuda:Stream", "torch.cuda:stream"),
           "DDP's start_grad_sync waits on the current CUDA stream; PP's p2p _communicate synchronizes CUDA; the "
           "MoE all-to-all dispatcher makes a side stream for its device-to-host copies",
@@ -347,15 +380,17 @@ PATCHES: tuple[Patch, ...] = (
     THD_PARTITION,
     MLA_CORE_ATTENTION,
     MLA_NORMS_WITHOUT_Q_LORA,
+    EXPERT_FC2_BIAS,
 )
 
 _applied = False
 
 
 def apply_te_stand_ins() -> None:
-    """On CUDA: the one stand-in needed where TransformerEngine is not installed (a no-op where it is)."""
-    THD_PARTITION.check()
-    THD_PARTITION.apply()
+    """On CUDA: the stand-ins needed where TransformerEngine is not installed (THD's a no-op where it is)."""
+    for patch in (THD_PARTITION, EXPERT_FC2_BIAS):
+        patch.check()
+        patch.apply()
 
 
 def apply_cpu_patches() -> None:

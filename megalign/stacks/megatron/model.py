@@ -13,6 +13,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -29,12 +30,15 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
     model, layout, dtype = spec.model, spec.layout, PRECISION_DTYPES[spec.dtype]
     config_class, mla = (MLATransformerConfig, _mla_config(model)) if model.multi_latent_attention \
         else (TransformerConfig, {})
-    return config_class(
+    config = config_class(
         num_layers=model.num_layers, hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
         ffn_hidden_size=model.ffn_hidden_size, kv_channels=model.kv_channels,
         normalization=model.normalization, layernorm_epsilon=model.layernorm_epsilon,
-        gated_linear_unit=model.swiglu, activation_func=F.silu if model.swiglu else F.gelu,
+        gated_linear_unit=model.swiglu, activation_func=_activation(model),
+        glu_linear_offset=model.glu_linear_offset, activation_func_clamp_value=model.activation_func_clamp_value,
+        softmax_type=model.softmax_type, window_attn_skip_freq=model.window_attn_skip_freq,
+        window_size=tuple(model.window_size) if model.window_size is not None else None,
         add_bias_linear=model.add_bias_linear, add_qkv_bias=model.add_qkv_bias, qk_layernorm=model.qk_layernorm,
         init_method_std=model.init_method_std,
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -49,6 +53,25 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
+    if model.position_embedding == "yarn" and not model.multi_latent_attention:
+        # GPTModel and the attention read these with getattr: TransformerConfig declares none of them.
+        for name, value in _yarn(model).items():
+            setattr(config, f"yarn_{name}", value)
+    return config
+
+
+def _activation(model: ModelConfig):
+    if not model.swiglu:
+        return F.gelu
+    return quick_gelu if model.activation == "quick_gelu" else F.silu
+
+
+def _yarn(model: ModelConfig) -> dict:
+    return dict(rotary_scaling_factor=model.yarn_rotary_scaling_factor,
+                original_max_position_embeddings=model.yarn_original_max_position_embeddings,
+                beta_fast=model.yarn_beta_fast, beta_slow=model.yarn_beta_slow, mscale=model.yarn_mscale,
+                mscale_all_dim=model.yarn_mscale_all_dim,
+                correction_range_round_to_int=model.yarn_correction_range_round_to_int)
 
 
 def _moe_config(spec: RunSpec) -> dict:
@@ -77,10 +100,17 @@ def _moe_config(spec: RunSpec) -> dict:
 
 
 def _mla_config(model: ModelConfig) -> dict:
-    # Plain RoPE over the qk_pos_emb_head_dim part; qk_layernorm (the family sets it) norms the q and kv latents.
-    return dict(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
-                qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim, rope_type="rope",
-                rotary_base=model.rotary_base)
+    """RoPE (or YaRN) over the qk_pos_emb_head_dim part; qk_layernorm (the family sets it) norms the q and kv
+    latents. MLA's YaRN always rounds its correction range (families.py refuses truncate=false)."""
+    mla = dict(q_lora_rank=model.q_lora_rank, kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+               qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim, rope_type="rope",
+               rotary_base=model.rotary_base)
+    if model.position_embedding != "yarn":
+        return mla
+    yarn = _yarn(model)
+    del yarn["correction_range_round_to_int"]
+    # MLA scales the softmax by mscale(factor, mscale_all_dim)^2, where 0 means no scaling (transformers' unset).
+    return {**mla, **yarn, "rope_type": "yarn", "mscale_all_dim": model.yarn_mscale_all_dim or 0.0}
 
 
 def attention_backend(spec: RunSpec) -> str:
@@ -155,7 +185,9 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
         max_sequence_length=spec.model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.model.tie_embeddings,
-        position_embedding_type=spec.model.position_embedding, rotary_base=spec.model.rotary_base,
+        # MLA makes its own rotary embedding (rope_type in its config); GPTModel's would be unused.
+        position_embedding_type="rope" if spec.model.multi_latent_attention else spec.model.position_embedding,
+        rotary_base=spec.model.rotary_base,
         rotary_percent=spec.model.rotary_percent,
         parallel_output=True,
     )
