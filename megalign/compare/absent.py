@@ -35,6 +35,8 @@ REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), s
     (r"^logits$", "server", "an sglang server's dump without its logits processor's next-token logits"),
     (r"self_attention\.linear_qkv$", "server",
      "sglang's fused qkv_proj lays q|k|v out apart, where megatron groups them by query group"),
+    (r"self_attention\.[qk]_layernorm$", "server",
+     "sglang's per-head q_norm and k_norm (GLM-4.5, Qwen3) run in place in a fused kernel, or over rows of one head"),
     (r"self_attention\.linear_kv_up_proj$", "server",
      "sglang's absorbed MLA passes run no kv_b_proj (its w_kc and w_vc are multiplied in), so not every token has it"),
     (r"mlp\.router\.weights$", "server",
