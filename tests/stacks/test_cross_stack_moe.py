@@ -35,7 +35,8 @@ FAMILIES = {
 # 4 experts x 2 and the shared expert's 2 in place of fc1, fc2.
 MEGATRON_PARAMS = {"qwen3-moe": 3 + 2 * 15, "mixtral": 3 + 2 * 13, "glm4-moe": 3 + 9 + 18}
 MOE_LAYERS = {"qwen3-moe": 2, "mixtral": 2, "glm4-moe": 1}
-LAYOUTS = [("qwen3-moe", ("--ep", "2")), ("mixtral", ("--ep", "2")), ("glm4-moe", ()), ("glm4-moe", ("--ep", "2"))]
+LAYOUTS = [("qwen3-moe", ("--ep", "2")), ("mixtral", ("--ep", "2")), ("glm4-moe", ()), ("glm4-moe", ("--ep", "2")),
+           ("glm4-moe", ("--cp", "2"))]
 
 
 @pytest.fixture(scope="session")
