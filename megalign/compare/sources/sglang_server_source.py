@@ -47,7 +47,7 @@ def open_server(path: Path, folder: Path) -> Source:
     by_target: dict[Target, list[str]] = defaultdict(list)  # a megalign record -> the dumped names it is made of
     entries, left_out = [], []
     for dumped in sorted(dump.order, key=dump.order.get):
-        target = _target(dump, dumped)
+        target = _target(dump, dumped, hooked)
         per_request = PER_REQUEST.get(logical_name(dumped)[1]) if _per_request(dump, dumped) else None
         if target is not None:
             by_target[target].append(dumped)
@@ -70,7 +70,7 @@ def open_server(path: Path, folder: Path) -> Source:
                   tokens_only=True)
 
 
-def _target(dump: ServerDump, dumped: str) -> Optional[Target]:
+def _target(dump: ServerDump, dumped: str, hooked: dict[str, str]) -> Optional[Target]:
     """The megalign record of a dumped per-token tensor."""
     if dumped in INPUTS:
         return Target(INPUTS[dumped], Kind.INPUT)
@@ -80,9 +80,16 @@ def _target(dump: ServerDump, dumped: str) -> Optional[Target]:
     if not dumped.startswith(HOOKED):
         return Target(name)  # named by the dumper.dump call that wrote it: the name its user compares
     target = megatron_name(name)
-    if target is not None and target.weights is not None and dump.first(dumped).is_floating_point():
-        return None  # a topk its MoE backend bypassed (its outputs are the hidden states and logits): no ids
+    if target is not None and target.weights is not None and not _topk_ids(dump, dumped, hooked.get(target.weights)):
+        return None  # a topk its MoE backend bypassed or packed otherwise (hidden states and logits, gather indexes)
     return target
+
+
+def _topk_ids(dump: ServerDump, ids: str, weights: Optional[str]) -> bool:
+    """`ids` are a StandardTopKOutput's expert ids: integers, [tokens, k], beside weights of the same shape."""
+    first = dump.first(ids)
+    return (not first.is_floating_point() and first.ndim == 2 and weights is not None
+            and dump.first(weights).shape == first.shape and dump.first(weights).is_floating_point())
 
 
 def _per_request(dump: ServerDump, name: str) -> bool:
