@@ -48,6 +48,7 @@ from megalign.capture.coverage import collective_device, read_grad
 from megalign.capture.dtensor import is_dtensor, local_piece
 from megalign.capture.grad_reads import GradReads
 from megalign.capture.hooks import Hooks
+from megalign.capture.megatron_router import expert_bias_update
 from megalign.capture.reducers import Reducers, Stated, check_stated
 from megalign.capture.rows import RowLog, rows_meta
 from megalign.capture.steps import Steps, choose_steps
@@ -56,7 +57,7 @@ from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, Kind, RankCoords
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
-from megalign.dump.meta import dump_meta
+from megalign.dump.meta import EXPERT_BIAS_UPDATE, dump_meta
 from megalign.dump.partial import check_partial, partial_piece
 from megalign.dump.sharding import Sharding
 from megalign.dump.writer import RankWriter, check_storable
@@ -136,6 +137,7 @@ class Dumper:
         self._packed = False
         self._cp_split = "document"
         self._steps: list[int] = []
+        self._bias_update: Optional[float] = None  # megatron's routers' expert_bias update rate (megatron_router.py)
         self._marks: list[list[int]] = []  # [step, its first record's order] of each step written
         self._closed = False
         # Only this process writes, lands or removes the dump: a forked child holds a copy of the
@@ -262,7 +264,9 @@ class Dumper:
         so are EP ranks' experts (`mlp.experts.<e>`). The MLP's activation, linear_fc2's input, is dumped
         too (as `...linear_fc2#input`); an MoE layer's experts' outputs are not (permuted tokens, no
         sequence layout), its router's decisions are, as the worker's (kind routing: `<router>.experts`
-        and `.weights`, [s, b, topk]; not its logits).
+        and `.weights`, [s, b, topk]; not its logits). Routers whose expert_bias megatron's
+        finalize_model_grads moves after every step are said so in dump.json (their update rate), which
+        compare reports beside the dump: a stack that keeps the bias routes otherwise from the next step.
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
         computes the same outputs); an output is split only where it has as many rows there as the
@@ -313,6 +317,7 @@ class Dumper:
             self._place_again(*placed)
         adapter, module = _adapter_for(module, self.layout, self._dp_ranks, outputs, batch_dim)
         if isinstance(adapter, megatron_adapter.MegatronAdapter):
+            self._bias_update = self._bias_update or expert_bias_update(module)
             for ddp in adapter.ddps:  # its scaling, and the per-token loss's division a step (reducers.py)
                 self._reducers.watch_megatron(ddp, lambda: self._step_now if self._writing else None)
         else:  # megatron-core's DDP reduces in finalize_model_grads: its gradients are read at the step's end
@@ -513,7 +518,8 @@ class Dumper:
         rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
         return dump_meta("python", "backward" if kinds & {Kind.ACTIVATION_GRAD, Kind.PARAM_GRAD} else "forward",
                          self.layout, {"dtype": self._run_precision(), "stats_only": self._writer.stats_only,
-                                       "steps": self._steps, **rows, **self._reduction()})
+                                       "steps": self._steps, **rows, **self._reduction(),
+                                       **({EXPERT_BIAS_UPDATE: self._bias_update} if self._bias_update else {})})
 
     def _reduction(self) -> dict:
         """dump.json's grad_reduction, where the run reduced gradients over ranks or the user said how."""

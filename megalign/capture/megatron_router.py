@@ -28,6 +28,15 @@ def _replayed(router: torch.nn.Module) -> Optional[torch.Tensor]:
     return replay.target_topk_idx if replay.router_replay_action == RouterReplayAction.REPLAY_FORWARD else None
 
 
+def expert_bias_update(model: torch.nn.Module) -> Optional[float]:
+    """The rate at which megatron-core's finalize_model_grads moves the routers' expert_bias after every step
+    (moe_router_bias_update_rate), where a router of `model` has one and the rate is not 0; else None. A stack
+    that keeps the bias (transformers never moves e_score_correction_bias) routes otherwise from the next step."""
+    rates = {float(getattr(router.config, "moe_router_bias_update_rate", 0.0)) for router in model.modules()
+             if is_router(router) and getattr(router, "enable_expert_bias", False)}
+    return max(rates, default=0.0) or None
+
+
 def router_tracer(hooks: Hooks, sink: Sink, local: Callable[[], LocalShape],
                   logits: bool) -> Callable[[torch.nn.Module, str], bool]:
     """`trace(module, name)` hooks a router (True) or leaves any other module (False): per MoE layer,

@@ -37,6 +37,14 @@ REASONS: tuple[tuple[re.Pattern, str, str], ...] = tuple((re.compile(pattern), s
     (r"^logits$", "server", "an sglang server's dump without its logits processor's next-token logits"),
     (r"self_attention\.linear_qkv$", "server",
      "sglang's fused qkv_proj lays q|k|v out apart, where megatron groups them by query group"),
+    (r"self_attention\.[qk]_layernorm$", "server",
+     "sglang's per-head q_norm and k_norm (GLM-4.5, Qwen3) run in place in a fused kernel, or over rows of one head"),
+    (r"self_attention\.linear_kv_up_proj$", "server",
+     "sglang's absorbed MLA passes run no kv_b_proj (its w_kc and w_vc are multiplied in), so not every token has it"),
+    (r"mlp\.router\.weights$", "server",
+     "sglang's top-k weights hold routed_scaling_factor or not, as its MoE backend chooses: the expert ids are compared"),
+    (r"^decoder\.layers\.\d+$", "server",
+     "sglang 0.5.23's decoder layer returns its FFN's contribution alone, the residual sum carried to the next norm"),
 ))
 
 
@@ -71,6 +79,8 @@ def op_map(kind: Optional[str], name: str, other: OtherSide) -> Optional[str]:
     """Why the op map expects this tensor on one side only, if it does."""
     if kind == Kind.ACTIVATION_GRAD and other.stack == "hf" and Kind.ACTIVATION_GRAD not in other.kinds:
         return "the other side's stack dumps no activation gradients (transformers)"
+    if kind in (Kind.ACTIVATION_GRAD, Kind.PARAM_GRAD) and "server" in other.differ:
+        return "an sglang server computes no gradients"
     for pattern, scope, text in REASONS:
         if scope in other.differ and pattern.search(name):
             return text

@@ -12,6 +12,11 @@ from megalign.dump.format import FORMAT, VERSION
 from megalign.dump.layout import Layout
 
 
+# dump.json's key for megatron-core's moe_router_bias_update_rate, where the dumped run's routers moved their
+# expert_bias after every step (capture/megatron_router.py): said beside the dump in compare's report.
+EXPERT_BIAS_UPDATE = "expert_bias_update_rate"
+
+
 def package_version(name: str) -> str | None:
     try:
         return metadata.version(name)

@@ -6,13 +6,20 @@ dense (first_k_dense_replace=1), layer 1 MoE with 8 experts in 4 groups, top-4 f
 random score-correction bias, one shared expert. The router is made wide enough that the bias moves
 a choice but does not decide them all.
 
+An sglang server's dump of the same model (its module names, written by sglang's own dumper from the
+transformers run's values: tests/compare/sglang_families_writer.py) lines up with megatron's run.
+
 Twins: megatron loading only the parameters (the expert bias left zero) is caught at layer 1's
 routing; a checkpoint with rope_interleave=false whose megatron side skips the transform (the flag
-mis-set) is caught at the first output the rope rows reach.
+mis-set) is caught at the first output the rope rows reach; the sglang dump with its fused MLA down
+projection laid out kv_a | q_a is caught at layer 0's linear_kv_down_proj.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,3 +151,42 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(deepseek, tmp_path):
     checkpoint = open_checkpoint(with_mtp)
     assert checkpoint.names.buffers() == {f"{ROUTER}.expert_bias": "model.layers.1.mlp.gate.e_score_correction_bias"}
     assert "model.layers.2.eh_proj.weight" in checkpoint.files
+
+
+SGLANG_WRITER = Path(__file__).parents[1] / "compare" / "sglang_families_writer.py"
+
+
+def sglang_server(source: Path, out: Path) -> dict[str, Path]:
+    """{"plain": folder, "kv-q": folder}: sglang server dumps of a megalign dump's values (one process)."""
+    result = subprocess.run([sys.executable, str(SGLANG_WRITER), str(source), str(out)], capture_output=True, text=True,
+                            timeout=600, cwd=SGLANG_WRITER.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {kind: out / kind / "exp" for kind in ("plain", "kv-q")}
+
+
+def compare_rows(a: Path, b: Path, report: Path):
+    """(the CLI's result, {name: row} of the forward rows) of `megalign compare a b`."""
+    result = invoke("compare", a, b, "--json", report, "--format", "plain")
+    lines = [json.loads(line) for line in report.read_text().splitlines()]
+    return result, {row["name"]: row for row in lines[:-1] if row["kind"] not in ("activation_grad", "param_grad")}
+
+
+def test_sglang_server_dump_lines_up_with_megatron_by_sglang_module_names(dump, deepseek, tmp_path):
+    """Every mapped sglang name (MLA's fused down projection split at q_a_layernorm's width, the router's
+    logits, topk's ids sorted by their weights) agrees with megatron-core's run, in either order; the
+    fused projection laid out kv_a | q_a fails first at layer 0's linear_kv_down_proj."""
+    server = sglang_server(hf_dump(dump, deepseek, "plain"), tmp_path / "sglang")
+    megatron = dump("backward", "--hf", deepseek["plain"])
+    for a, b in ((server["plain"], megatron), (megatron, server["plain"])):
+        result, rows = compare_rows(a, b, tmp_path / "r.jsonl")
+        assert result.exit_code == 0, result.output
+        passed = {name for name, row in rows.items() if row["status"] == "pass"}
+        assert {f"decoder.layers.{i}.self_attention.{m}" for i in (0, 1) for m in (
+            "linear_q_down_proj", "linear_kv_down_proj", "q_layernorm", "kv_layernorm", "linear_q_up_proj",
+            "core_attention", "linear_proj")} <= passed
+        assert {f"{ROUTER}.logits", f"{ROUTER}.experts", "decoder.layers.1.mlp.shared_experts", "logits"} <= passed
+        assert "100.00% of 52 tokens keep their top-k set, 100.00% its order" in result.output
+    result, rows = compare_rows(server["kv-q"], megatron, tmp_path / "r.jsonl")
+    assert result.exit_code == 1, result.output
+    assert "first divergence: activation decoder.layers.0.self_attention.linear_kv_down_proj" in result.output
+    assert rows["decoder.layers.0.self_attention.linear_q_down_proj"]["status"] == "pass"

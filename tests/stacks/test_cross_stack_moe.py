@@ -5,7 +5,8 @@ top-2; norm weights randomised; GLM's layer 0 dense, its router decisive: see de
 transformers 5 keeps the experts fused in memory and per expert on disk; both are mapped to megatron's
 experts by global index (compared at EP=2; the twin runs at EP=1). The failing twin is a checkpoint
 whose experts 0 and 1 of layer 1 trade weights: caught at that layer's MoE output, routing still
-equal; GLM's, its router's expert bias dropped: caught at layer 1's routing.
+equal; GLM's, its router's expert bias dropped: caught at layer 1's routing. An sglang server's dump of the GLM
+model, by sglang's module names, lines up with megatron's run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from conftest import invoke, max_abs_diffs
 from planted import drop_expert_bias, swap_experts, with_config
 from test_cross_stack import build_checkpoint
+from test_cross_stack_deepseek import compare_rows, sglang_server
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=128, max_position_embeddings=256, num_experts_per_tok=2)
@@ -33,7 +35,8 @@ FAMILIES = {
 # 4 experts x 2 and the shared expert's 2 in place of fc1, fc2.
 MEGATRON_PARAMS = {"qwen3-moe": 3 + 2 * 15, "mixtral": 3 + 2 * 13, "glm4-moe": 3 + 9 + 18}
 MOE_LAYERS = {"qwen3-moe": 2, "mixtral": 2, "glm4-moe": 1}
-LAYOUTS = [("qwen3-moe", ("--ep", "2")), ("mixtral", ("--ep", "2")), ("glm4-moe", ()), ("glm4-moe", ("--ep", "2"))]
+LAYOUTS = [("qwen3-moe", ("--ep", "2")), ("mixtral", ("--ep", "2")), ("glm4-moe", ()), ("glm4-moe", ("--ep", "2")),
+           ("glm4-moe", ("--cp", "2"))]
 
 
 @pytest.fixture(scope="session")
@@ -113,3 +116,17 @@ def test_glm_bf16_pair_passes(dump, moe_checkpoints):
     result = invoke("compare", hf, dump("backward", "--hf", moe_checkpoints["glm4-moe"], "--dtype", "bf16"))
     assert result.exit_code == 0, result.output
     assert "100.00% of 64 tokens keep their top-k set, 100.00% its order" in result.output
+
+
+def test_glm_sglang_server_dump_lines_up_with_megatron_by_sglang_module_names(dump, moe_checkpoints, tmp_path):
+    """GLM-4.5's sglang names (glm4_moe.py: the gate's logits, topk's ids, the shared experts, the dense MLP
+    of layer 0) against megatron-core's run: exit 0. sglang's q|k|v qkv_proj is one-sided, as for Llama."""
+    server = sglang_server(dump("backward", "--hf", moe_checkpoints["glm4-moe"], "--stack", "hf"), tmp_path / "sglang")
+    result, rows = compare_rows(server["plain"], dump("backward", "--hf", moe_checkpoints["glm4-moe"]),
+                                tmp_path / "r.jsonl")
+    assert result.exit_code == 0, result.output
+    passed = {name for name, row in rows.items() if row["status"] == "pass"}
+    router = "decoder.layers.1.mlp.router"
+    assert {f"{router}.logits", f"{router}.experts", "decoder.layers.1.mlp.shared_experts.linear_fc1",
+            "decoder.layers.1.mlp", "decoder.layers.0.mlp.linear_fc2#input", "logits"} <= passed
+    assert rows["decoder.layers.0.self_attention.linear_qkv"]["status"] == "only_b"

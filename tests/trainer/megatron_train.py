@@ -38,6 +38,8 @@ where the CP ranks hold uneven shares of the loss mask.
 load-balancing loss), `--ep N` splitting them over N expert-parallel ranks (each holds 4/N experts,
 `local_experts.0` on every rank), `--etp M` over M expert TP ranks (megatron's default: TP; under TP,
 MoE needs `--sp`); with --draw-weights each expert is drawn whole from its global index.
+`--expert-bias`: DeepSeek-V3's router (sigmoid scores, the aux-loss-free expert bias that megatron's
+finalize_model_grads moves after every step, at megatron's default moe_router_bias_update_rate).
 Planted bug: `--bug local-experts`, the experts drawn from each EP rank's own indices (expert 2
 drawn as expert 0 on EP rank 1), the expert twin of local-names.
 """
@@ -76,6 +78,7 @@ parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--moe", action="store_true")
+parser.add_argument("--expert-bias", action="store_true")
 parser.add_argument("--ep", type=int, default=1)
 parser.add_argument("--etp", type=int)
 parser.add_argument("--draw-weights", action="store_true")
@@ -98,6 +101,8 @@ tensor_parallel.model_parallel_cuda_manual_seed(1234)
 VOCAB, SEQ, BATCH, LAYERS, EXPERTS = 64, 16, 2, 2, 4
 moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=48, moe_router_load_balancing_type="none",
            expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp) if args.moe else {}
+if args.expert_bias:  # DeepSeek-V3's router, its bias moved by finalize_model_grads at megatron's default rate
+    moe.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
 config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
                            tensor_model_parallel_size=args.tp, sequence_parallel=args.sp,
                            context_parallel_size=args.cp, pipeline_model_parallel_size=args.pp,

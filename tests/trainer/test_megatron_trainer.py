@@ -45,6 +45,7 @@ def test_cp2_equals_cp1_at_every_dumped_step(dumps):
         assert f"param_grad  step{step}/output_layer.weight" in result.output
         assert f"loss        step{step}/loss" in result.output
     assert "198 compared, 198 passed, 0 failed\n" in result.output
+    assert "expert_bias" not in result.output  # no router moves one: nothing said
 
 
 def test_a_loss_divided_by_the_ranks_own_token_count_is_caught_at_the_loss(dumps):
@@ -238,12 +239,12 @@ def test_stages_that_draw_their_weights_by_their_own_layer_names_are_caught_at_s
 
 @pytest.fixture(scope="module")
 def moe_dumps(tmp_path_factory) -> dict[str, Path]:
-    """--moe (4 experts, top-2) with --draw-weights (each expert drawn from its global index), steps 0
+    """--moe (4 experts, top-2; DeepSeek-V3's router: --expert-bias) with --draw-weights (each expert drawn from its global index), steps 0
     and 1, on two ranks: DP=2 with every expert on each, EP=2 (experts 0 and 1 on rank 0, 2 and 3 on
     rank 1, each rank `local_experts.0` and `.1`), and EP=2 with each EP rank's experts drawn from its
     own indices; on four ranks, TP=2 with SP and EP=2 with expert TP 1 (the two TP ranks of a DP rank
     hold other experts, each whole). Four torchruns at once."""
-    common = ("--half-vocab", "--draw-weights", "--moe")
+    common = ("--half-vocab", "--draw-weights", "--moe", "--expert-bias")
     return dump_all(tmp_path_factory.mktemp("trainer_moe"), SCRIPT, {
         "ep1": (2, common), "ep2": (2, (*common, "--ep", "2")),
         "tp2_ep2_etp1": (4, (*common, "--tp", "2", "--sp", "--ep", "2", "--etp", "1")),
@@ -262,6 +263,9 @@ def test_ep2_equals_ep1_with_each_ranks_experts_named_globally(moe_dumps):
     assert [(s.rank, s.sharding.dp_dim) for s in shards] == [(0, 1), (1, 1)]
     result = invoke("compare", moe_dumps["ep1"], moe_dumps["ep2"])
     assert result.exit_code == 0, result.output
+    # Both sides moved their routers' expert_bias after step 0, as a transformers replay never does: said.
+    assert result.output.count("expert_bias moved after every step (megatron's finalize_model_grads, "
+                               "moe_router_bias_update_rate 0.001)") == 2
     assert "param_grad  step1/decoder.layers.1.mlp.experts.3.linear_fc2.weight" in result.output
     assert "routing     step1/decoder.layers.1.mlp.router.weights" in result.output
     assert "act_grad    step1/decoder.layers.0.mlp " in result.output

@@ -14,9 +14,10 @@ from megalign.compare.reassemble import reassemble
 from megalign.compare.steps import step_name, step_order
 from megalign.dump.format import Kind, TensorRecord, repeat_name
 from megalign.dump.layout import Layout
+from megalign.dump.meta import EXPERT_BIAS_UPDATE
 from megalign.dump.reader import DumpFiles
 from megalign.dump.tensorfile import STORED_DTYPES
-from megalign.errors import is_int
+from megalign.errors import is_int, is_number
 
 
 def open_megalign(path: Path) -> Source:
@@ -54,7 +55,8 @@ def _open(path: Path) -> Source:
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
-                   + (", stats only" if meta.get("stats_only") else ""))
+                   + (", stats only" if meta.get("stats_only") else "")
+                   + _bias_update(meta.get(EXPERT_BIAS_UPDATE)))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
                   weights=_weights(meta), rows=dump.rows, dump=dump, stack=meta.get("stack"),
@@ -85,6 +87,16 @@ def _steps(meta: dict) -> list[int]:
     """The steps a Dumper's dump.json lists (none for a megalign run's)."""
     steps = meta.get("steps")
     return [n for n in steps if is_int(n)] if isinstance(steps, list) else []
+
+
+def _bias_update(rate) -> str:
+    """What a dump whose routers moved their expert_bias says of it: a run that keeps the bias (transformers
+    never moves e_score_correction_bias) routes otherwise from the second step on, by design."""
+    if not is_number(rate) or not rate > 0:
+        return ""
+    return (f", its routers' expert_bias moved after every step (megatron's finalize_model_grads, "
+            f"moe_router_bias_update_rate {rate:g}): from the second step on it routes otherwise than a run that keeps "
+            "the bias (transformers)")
 
 
 def _kernel(meta: dict, layout: Layout) -> str:

@@ -52,12 +52,17 @@ class ServerDump:
         """Each request's tokens in position order (0 to its longest), where every position is known."""
         return [[r.tokens[p] for p in range(len(r.tokens))] for r in self.requests]
 
-    def lined_up(self, name: str) -> torch.Tensor:
-        """The per-token tensor `name` of every pass ([tokens of the pass, ...]) as [sequence, position, ...],
-        zero where a request has no such token."""
+    def first(self, name: str) -> torch.Tensor:
+        """The tensor `name` of the first pass that dumped it."""
         first = next((values[name] for values in self.steps.values() if name in values), None)
         if not isinstance(first, torch.Tensor):
             raise UserError(f"{self.folder}: no tensor {name!r} in any step")
+        return first
+
+    def lined_up(self, name: str) -> torch.Tensor:
+        """The per-token tensor `name` of every pass ([tokens of the pass, ...]) as [sequence, position, ...],
+        zero where a request has no such token."""
+        first = self.first(name)
         width = max(len(r.tokens) for r in self.requests)
         out = first.new_zeros(len(self.requests), width, *first.shape[1:])
         for i, request in enumerate(self.requests):

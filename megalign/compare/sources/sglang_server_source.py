@@ -22,7 +22,7 @@ import torch
 from megalign.compare.entries import Entry, Source, Value
 from megalign.compare.sources.plain import tensor_value
 from megalign.compare.sources.sglang import dump_files, logical_name, parse_filename
-from megalign.compare.sources.sglang_names import PER_REQUEST, SUMMED, megatron_name
+from megalign.compare.sources.sglang_names import PER_REQUEST, Target, megatron_name
 from megalign.compare.sources.sglang_server import CORE, ServerDump, fill_prefixes, open_server_dump
 from megalign.dump.format import Kind, layer_of
 from megalign.dump.layout import BatchRow
@@ -43,10 +43,11 @@ def open_server(path: Path, folder: Path) -> Source:
     why = fill_prefixes(dump)
     if why:
         raise UserError(f"{folder}: {why}")
-    by_target: dict[str, list[str]] = defaultdict(list)  # megalign name -> the dumped names it is made of
+    hooked = {logical_name(d)[1]: d for d in dump.order if d.startswith(HOOKED)}  # sglang's name -> the dumped one
+    by_target: dict[Target, list[str]] = defaultdict(list)  # a megalign record -> the dumped names it is made of
     entries, left_out = [], []
     for dumped in sorted(dump.order, key=dump.order.get):
-        target = _target(dump, dumped)
+        target = _target(dump, dumped, hooked)
         per_request = PER_REQUEST.get(logical_name(dumped)[1]) if _per_request(dump, dumped) else None
         if target is not None:
             by_target[target].append(dumped)
@@ -54,9 +55,12 @@ def open_server(path: Path, folder: Path) -> Source:
             entries.append(_at_ends(dump, dumped, per_request))
         elif dumped not in FORWARD_BATCH:
             left_out.append(dumped)
-    entries += [Entry(kind=Kind.INPUT if target in INPUTS.values() else Kind.ACTIVATION, name=target,
-                     order=(0, 0, dump.order[names[0]]), layer=layer_of(target), load=partial(_lined_up, dump, names),
-                     batch_dim=0, seq_dim=1) for target, names in by_target.items()]
+    for target, names in list(by_target.items()):
+        if target.summed and len(names) == 1:  # a layer's output without its residual: not megatron's
+            left_out += by_target.pop(target)
+    entries += [Entry(kind=target.kind, name=target.name, order=(0, 0, dump.order[names[0]]),
+                      layer=layer_of(target.name), load=partial(_lined_up, dump, names, target, hooked),
+                      batch_dim=0, seq_dim=1) for target, names in by_target.items()]
     lengths = [len(r.tokens) for r in dump.requests]
     description = (f"sglang server dump: {len(dump.steps)} passes, {len(dump.requests)} requests, {sum(lengths)} "
                    f"tokens" + (f", {len(left_out)} tensors without a megalign name left out"
@@ -66,17 +70,26 @@ def open_server(path: Path, folder: Path) -> Source:
                   tokens_only=True)
 
 
-def _target(dump: ServerDump, dumped: str) -> Optional[str]:
-    """megalign's name for a dumped per-token tensor: a layer's residual (`#1`) is summed into the layer's output."""
+def _target(dump: ServerDump, dumped: str, hooked: dict[str, str]) -> Optional[Target]:
+    """The megalign record of a dumped per-token tensor."""
     if dumped in INPUTS:
-        return INPUTS[dumped]
+        return Target(INPUTS[dumped], Kind.INPUT)
     if dumped in FORWARD_BATCH or not _per_token(dump, dumped):
         return None
     name = logical_name(dumped)[1]
     if not dumped.startswith(HOOKED):
-        return name  # named by the dumper.dump call that wrote it: the name its user compares
-    base = name.removesuffix("#1")
-    return megatron_name(base) if name == base or SUMMED.match(base) else None
+        return Target(name)  # named by the dumper.dump call that wrote it: the name its user compares
+    target = megatron_name(name)
+    if target is not None and target.weights is not None and not _topk_ids(dump, dumped, hooked.get(target.weights)):
+        return None  # a topk its MoE backend bypassed or packed otherwise (hidden states and logits, gather indexes)
+    return target
+
+
+def _topk_ids(dump: ServerDump, ids: str, weights: Optional[str]) -> bool:
+    """`ids` are a StandardTopKOutput's expert ids: integers, [tokens, k], beside weights of the same shape."""
+    first = dump.first(ids)
+    return (not first.is_floating_point() and first.ndim == 2 and weights is not None
+            and dump.first(weights).shape == first.shape and dump.first(weights).is_floating_point())
 
 
 def _per_request(dump: ServerDump, name: str) -> bool:
@@ -103,9 +116,22 @@ def _per_token(dump: ServerDump, name: str) -> bool:
                value.shape[0] == dump.steps[step]["input_ids"].numel() for step, value in values)
 
 
-def _lined_up(dump: ServerDump, names: list[str]) -> Value:
-    """The sum of the dumped tensors (one, or a layer's MLP output and residual) as [sequence, position, ...]."""
+def _lined_up(dump: ServerDump, names: list[str], target: Target, hooked: dict[str, str]) -> Value:
+    """The sum of the dumped tensors (one, or a layer's MLP output and residual) as [sequence, position, ...]:
+    a fused projection's tail past its first part's width, expert ids sorted by their weights."""
     try:
-        return tensor_value(sum(dump.lined_up(name) for name in names))
+        value = sum(dump.lined_up(name) for name in names)
+        if target.after is not None:
+            value = value[..., dump.first(_companion(dump, target.after, hooked)).shape[-1]:]
+        if target.weights is not None:
+            order = dump.lined_up(_companion(dump, target.weights, hooked)).sort(dim=-1, descending=True, stable=True)
+            value = value.gather(-1, order.indices)
+        return tensor_value(value)
     except UserError as e:
         return Value(shape=[], dtype="?", problem=str(e))
+
+
+def _companion(dump: ServerDump, name: str, hooked: dict[str, str]) -> str:
+    if name not in hooked:
+        raise UserError(f"{dump.folder}: no {name!r} dumped, which the comparison needs beside it")
+    return hooked[name]
