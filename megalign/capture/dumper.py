@@ -54,7 +54,7 @@ from megalign.dump.grad_convention import META_KEY as REDUCTION, Reducers, State
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, Kind, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
-from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
+from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.meta import dump_meta
 from megalign.dump.partial import check_partial, partial_piece
 from megalign.dump.sharding import Sharding
@@ -119,6 +119,7 @@ class Dumper:
             self._on_rank_zero(claim_out)
         self._folder = staging_dir(self.out) if claim else self.out  # where the ranks write
         self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only, name_filter=name_filter)
+        self._writer.layout = self.layout
         # parameter name -> the parameter, of watched modules, and the adapter of the model it is in
         self._watched: dict[str, tuple[torch.nn.Parameter, Adapter]] = {}
         self._hooks = Hooks()
@@ -352,11 +353,13 @@ class Dumper:
                              f"recorded was placed as {self.layout.describe()}, the model's mesh makes it "
                              f"{layout.describe()}")
         self.coords, self.layout, self._dp_ranks = coords, layout, dp_ranks
-        self._writer.coords = coords
+        self._writer.coords, self._writer.layout = coords, layout
 
     def _saw_rows(self, rows: tuple[BatchRow, ...], packed: bool) -> None:
         self._packed |= packed
         self._row_log.saw(self._step_now, rows)
+        # Where this rank's row was cut for CP's zigzag, document by document: its sketches' positions.
+        self._writer.bounds = cp_split_bounds(rows[0], self._cp_split) if packed and rows else None
 
     def _lost_rows(self, reason: str, packed: bool) -> None:
         self._packed |= packed

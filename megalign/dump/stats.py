@@ -162,6 +162,7 @@ def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, 
 
 
 ROW = 4096  # elements reduced together first: the rows side by side, then their results
+SUMMARY = 7  # the values of a tensor's summary (TensorStats.from_summary)
 
 
 class SummaryBatch:
