@@ -18,7 +18,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from enum import StrEnum
 from typing import Optional
@@ -107,7 +107,7 @@ class TensorRecord:
     # a module in reverse, so a name's repeats are numbered by this, not by when the gradient came.
     call: Optional[int] = None
     # A stats-only record's: its shard's sketch at its positions in the whole (sketch.py); absent in version 1.
-    sketch: Optional[np.ndarray] = None
+    sketch: Optional[np.ndarray] = field(default=None, compare=False)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "order": self.order, "shape": self.shape,
