@@ -61,17 +61,24 @@ def combine(sketches: Iterable[np.ndarray]) -> np.ndarray:
     return total
 
 
-def rows_and_cols(whole: tuple[int, ...], where: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def rows_and_cols(whole: tuple[int, ...], where: list[torch.Tensor],
+                  device: torch.device = torch.device("cpu")) -> tuple[torch.Tensor, torch.Tensor]:
     """A shard's elements' flat indexes in the whole, as (base of each of its rows, position of each
-    of its columns), int64 on the host: element (r, c) of the shard (its last dim the columns) is at
+    of its columns), int64 on `device`: element (r, c) of the shard (its last dim the columns) is at
     base[r] + cols[c]. `where`: each dim's positions in the whole (placement.positions)."""
     if not where:  # a scalar
-        return torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+        return tuple(_queued(torch.zeros(1, dtype=torch.int64), device) for _ in range(2))
     strides = [math.prod(whole[d + 1:]) for d in range(len(whole))]
     base = torch.zeros((), dtype=torch.int64)
     for d in range(len(where) - 1):
         base = base.unsqueeze(-1) + where[d].to(torch.int64) * strides[d]
-    return base.reshape(-1), where[-1].to(torch.int64)
+    return _queued(base.reshape(-1), device), _queued(where[-1].to(torch.int64), device)
+
+
+def _queued(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, from page-locked memory behind the step's kernels: torch copies pageable
+    memory to a GPU by waiting for the whole queue first (stats._queued's rule)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
 def hashes(g: torch.Tensor) -> torch.Tensor:
@@ -88,27 +95,19 @@ def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _queued(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` on `device`, from page-locked memory behind the step's kernels: torch copies pageable
-    memory to a GPU by waiting for the whole queue first (stats._queued's rule)."""
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-
-
 def device_sketch(x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """The sketch of flat `x` (its rows of len(cols), each at base[r] + cols) with torch's ops, on its
-    device, [K] float64, queued without waiting: a row block at a time, each element hashed, its
+    """The sketch of flat `x` (its rows of len(cols), each at base[r] + cols; both on x's device) with
+    torch's ops, [K] float64, queued without waiting: a row block at a time, each element hashed, its
     signed value added into its bucket. Eager ops, about twenty kernels a block; a fused kernel is a
     later step."""
-    device = x.device
-    out = torch.zeros(K, dtype=torch.float64, device=device)
+    out = torch.zeros(K, dtype=torch.float64, device=x.device)
     if x.numel() == 0:
         return out
-    base_t, cols_t = (_queued(t, device) for t in (base, cols))
-    values = x.reshape(len(base), len(cols))
-    step = max(1, ROWS_AT_ONCE // len(cols))
-    for start in range(0, len(base), step):
+    values = x.reshape(base.numel(), cols.numel())
+    step = max(1, ROWS_AT_ONCE // cols.numel())
+    for start in range(0, base.numel(), step):
         block = values[start:start + step].double()
-        h = hashes(base_t[start:start + step, None] + cols_t[None, :])
+        h = hashes(base[start:start + step, None] + cols[None, :])
         signed = torch.where(h < 0, -block, block)
         signed = torch.where(torch.isfinite(block), signed, 0.0)
         out.index_add_(0, (h & (K - 1)).reshape(-1), signed.reshape(-1))

@@ -124,7 +124,7 @@ def host_summary(tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -
 
 def sketch_of(tensor: torch.Tensor) -> np.ndarray:
     """The sketch of a whole tensor (a full dump's, judged against a stats-only one's)."""
-    base, cols = rows_and_cols(tuple(tensor.shape), [torch.arange(n) for n in tensor.shape])
+    base, cols = rows_and_cols(tuple(tensor.shape), [torch.arange(n) for n in tensor.shape], tensor.device)
     if tensor.device.type == "cpu":
         return host_summary(tensor, base, cols)[1]
     return device_sketch(summable(tensor.detach().reshape(-1)), base, cols).cpu().numpy()

@@ -109,9 +109,10 @@ def test_the_host_kernel_and_the_device_ops_agree_over_finite_values(device):
     x[1, 7], x[2, 9] = math.nan, -math.inf
     where = [torch.tensor([0, 5, 2]), torch.arange(1000, 2000)]
     for tensor, placed in ((x, where), (x.bfloat16(), where), (torch.tensor(2.5), [])):
-        base, cols = rows_and_cols((6, 3000) if placed else (), placed)
-        stats, host = host_summary(tensor, base, cols)
-        on_device = device_sketch(tensor.to(device).reshape(-1), base, cols).cpu().numpy()
+        whole = (6, 3000) if placed else ()
+        stats, host = host_summary(tensor, *rows_and_cols(whole, placed))
+        on_device = device_sketch(tensor.to(device).reshape(-1),
+                                  *rows_and_cols(whole, placed, torch.device(device))).cpu().numpy()
         assert np.allclose(host, on_device, rtol=1e-12, atol=1e-12) and host.shape == (K,)
         finite = tensor.double()[torch.isfinite(tensor)]
         assert float(np.square(host).sum()) == pytest.approx(float(finite.square().sum()), rel=4 * math.sqrt(2 / K))
