@@ -19,8 +19,9 @@ from megalign.dump.layout import Layout, zigzag_chunks
 from megalign.dump.meta import dump_meta
 from megalign.dump.partial import partial_piece
 from megalign.dump.sharding import Sharding
-from megalign.dump.sketch import K, device_sketch, rows_and_cols
+from megalign.dump.sketch import K, device_sketch, encode, rows_and_cols
 from megalign.dump.stats import host_summary, sketch_of
+from megalign.dump.validate import Malformed, check_record
 from megalign.dump.writer import RankWriter
 
 LAYOUT = Layout(tp=2, cp=2, dp=2)
@@ -117,3 +118,19 @@ def test_the_host_kernel_and_the_device_ops_agree_over_finite_values(device):
         finite = tensor.double()[torch.isfinite(tensor)]
         assert float(np.square(host).sum()) == pytest.approx(float(finite.square().sum()), rel=4 * math.sqrt(2 / K))
         assert (stats.nan, stats.inf) == ((1, 1) if placed else (0, 0))
+
+
+@pytest.mark.parametrize("sketch", ["not base64!", "AAAA", None])
+def test_a_sketch_that_is_not_k_finite_values_beside_stats_is_malformed(tmp_path, sketch):
+    """validate.py: what is not K float64 values in base64 (None: a NaN among them) is bad input."""
+    writer = RankWriter(tmp_path, RankCoords(rank=0), stats_only=True)
+    writer.add("activation", "x", torch.ones(3), Sharding())
+    writer.close()
+    record = writer.records[0].to_dict()
+    assert check_record(record, "r", tmp_path).sketch is not None
+    if sketch is None:
+        record["sketch"] = encode(np.full(K, math.nan))
+    else:
+        record["sketch"] = sketch
+    with pytest.raises(Malformed, match="sketch must be 128 finite float64 values in base64, beside stats"):
+        check_record(record, "r", tmp_path)
