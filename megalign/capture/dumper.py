@@ -358,8 +358,14 @@ class Dumper:
     def _saw_rows(self, rows: tuple[BatchRow, ...], packed: bool) -> None:
         self._packed |= packed
         self._row_log.saw(self._step_now, rows)
-        # Where this rank's row was cut for CP's zigzag, document by document: its sketches' positions.
-        self._writer.bounds = cp_split_bounds(rows[0], self._cp_split) if packed and rows else None
+        self.cut_at(cp_split_bounds(rows[0], self._cp_split) if packed and rows else None)
+
+    def cut_at(self, bounds: Optional[tuple[int, ...]]) -> None:
+        """Where this rank's packed row is cut for CP's zigzag (its documents' bounds; None: the whole
+        row is one sequence): where a stats-only record's sketch places its tokens in the whole. A
+        watched model's forward call says so itself; a tensor split by tokens added before it (the
+        batch's inputs) needs it said first."""
+        self._writer.bounds = bounds
 
     def _lost_rows(self, reason: str, packed: bool) -> None:
         self._packed |= packed
@@ -710,6 +716,9 @@ class NullDumper:
         return None
 
     def hook_outputs(self, *args, **kwargs) -> None:
+        return None
+
+    def cut_at(self, *args, **kwargs) -> None:
         return None
 
     def step(self, n: int) -> contextlib.nullcontext:

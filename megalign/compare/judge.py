@@ -66,6 +66,14 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
         v.status = NOT_REASSEMBLABLE
         v.notes += problems
         return v
+    lone = [f"{side}: is a partial sum over ranks, which only its sketch stands for, and the other side has none"
+            for side, value, other in (("A", x, y), ("B", y, x))
+            if value.tensor is None and value.stats is None and value.sketch is not None
+            and other.tensor is None and other.sketch is None]
+    if lone:
+        v.status = NOT_REASSEMBLABLE
+        v.notes += lone
+        return v
     precision_a, precision_b = run_precision(rules.run_a, x.dtype), run_precision(rules.run_b, y.dtype)
     precision = precision_of(precision_a, precision_b)
     unverifiable = [f"{side}: {value.unverifiable}" for side, value in (("A", x), ("B", y)) if value.unverifiable]
