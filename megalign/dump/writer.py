@@ -261,7 +261,8 @@ class RankWriter:
     def _fill_stats(self, records: tuple[TensorRecord, ...], rows: torch.Tensor, ready: torch.cuda.Event) -> None:
         """In a writing thread: the records' statistics, read back, and their manifest entries."""
         ready.synchronize()
-        for record, row, sketch in zip(records, rows[:, :SUMMARY].tolist(), rows[:, SUMMARY:].numpy()):
+        # The sketches copied out of the page-locked buffer, which their views would hold for the whole run.
+        for record, row, sketch in zip(records, rows[:, :SUMMARY].tolist(), rows[:, SUMMARY:].numpy().copy()):
             record.stats = TensorStats.from_summary(math.prod(record.shape), row)
             record.sketch = sketch
             self._entries[record.order] = _entry(record)
