@@ -133,16 +133,17 @@ def sketch_of(tensor: torch.Tensor) -> np.ndarray:
 def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
                 ) -> tuple[float, float, float, float, float, int, int]:
     """(sum, sum of squares, sum of |x|, min, max) over a flat CPU tensor's finite values, its NaN and
-    Inf counts; with `sketch` (base, cols, the sketch), x's finite values added into the sketch in
-    the same pass (host_kernels.sums_and_sketch: 2.3 ms on 1M float32 where fast_sums takes 0.15,
-    the hash's 2 ns an element; unvectorized, as the buckets are scattered). CHUNK elements at a time, bf16 and fp16 widened into one reused float32 buffer (numpy
-    has no bf16; a whole-tensor copy costs a page fault per 4 KiB). The sums in one compiled pass and
-    the extremes by torch's aminmax, not torch's reductions: seven of them a tensor, each with its
-    dispatch, were 25% of a stats-only training loop's time on a CPU (cProfile, bench_trainer's
-    model). The extremes are not in the compiled loop: a min and max there keep LLVM from vectorizing
-    it (7x slower, measured). aminmax is one pass on every core: 2.3x as fast as numpy's min and max
-    on 1M elements, 1.4x on 4K, level on 32K (2 cores)."""
-    from megalign.dump.host_kernels import careful_stats, fast_sums, sums_and_sketch  # numba: imported where first needed
+    Inf counts; with `sketch` (base, cols, the sketch), x's finite values added into the sketch in the
+    same pass (host_kernels.sums_and_sketch: 2.3 ms on 1M float32 where fast_sums takes 0.15, the hash's
+    2 ns an element; unvectorized, as the buckets are scattered). CHUNK elements at a time, bf16 and
+    fp16 widened into one reused float32 buffer (numpy has no bf16; a whole-tensor copy costs a page
+    fault per 4 KiB). The sums in one compiled pass and the extremes by torch's aminmax, not torch's
+    reductions: seven of them a tensor, each with its dispatch, were 25% of a stats-only training loop's
+    time on a CPU (cProfile, bench_trainer's model). The extremes are not in the compiled loop: a min
+    and max there keep LLVM from vectorizing it (7x slower, measured). aminmax is one pass on every
+    core: 2.3x as fast as numpy's min and max on 1M elements, 1.4x on 4K, level on 32K (2 cores)."""
+    # numba: imported where first needed
+    from megalign.dump.host_kernels import careful_stats, fast_sums, sums_and_sketch
 
     total = sum_sq = abs_sum = 0.0
     low, high, nan, inf = math.inf, -math.inf, 0, 0
