@@ -26,6 +26,7 @@ os.environ.pop("LINES", None)
 
 from megalign.compare.sources import open_source  # noqa: E402
 from megalign.dump.format import MANIFEST  # noqa: E402
+from megalign.dump.sketch import decode, encode  # noqa: E402
 from megalign.cli.app import app  # noqa: E402
 from megalign.cli.run import parse_run  # noqa: E402
 from megalign.options import RunConfig  # noqa: E402
@@ -90,6 +91,8 @@ def rescale(dump_dir: Path, kind: str, factor: float, names: str = "") -> None:
             if r["stats"] is not None:
                 r["stats"].update({k: r["stats"][k] * factor for k in ("sum", "abs_sum", "min", "max")},
                                   sum_sq=r["stats"]["sum_sq"] * factor ** 2)
+            if r.get("sketch") is not None:  # linear in the values
+                r["sketch"] = encode(decode(r["sketch"]) * factor)
         path.write_text(json.dumps(manifest))
         for name in {r["file"] for r in records if r["file"]}:
             tensors = load_file(str(path.parent / name))

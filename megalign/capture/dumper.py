@@ -56,7 +56,7 @@ from megalign.dump.grad_convention import META_KEY as REDUCTION
 from megalign.dump.format import (DUMP_META, KINDS, PRECISIONS, Kind, RankCoords, TensorRecord, check_name, dtype_name,
                                   layer_of, precision_name, write_json_atomic)
 from megalign.dump.landing import DUMPER_OUT as OUT, check_out, staged, staging_dir
-from megalign.dump.layout import CP_SPLITS, BatchRow, Layout
+from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.meta import EXPERT_BIAS_UPDATE, dump_meta
 from megalign.dump.partial import check_partial, partial_piece
 from megalign.dump.sharding import Sharding
@@ -121,6 +121,7 @@ class Dumper:
             self._on_rank_zero(claim_out)
         self._folder = staging_dir(self.out) if claim else self.out  # where the ranks write
         self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only, name_filter=name_filter)
+        self._writer.layout = self.layout
         # parameter name -> the parameter, of watched modules, and the adapter of the model it is in
         self._watched: dict[str, tuple[torch.nn.Parameter, Adapter]] = {}
         self._hooks = Hooks()
@@ -359,11 +360,19 @@ class Dumper:
                              f"recorded was placed as {self.layout.describe()}, the model's mesh makes it "
                              f"{layout.describe()}")
         self.coords, self.layout, self._dp_ranks = coords, layout, dp_ranks
-        self._writer.coords = coords
+        self._writer.coords, self._writer.layout = coords, layout
 
     def _saw_rows(self, rows: tuple[BatchRow, ...], packed: bool) -> None:
         self._packed |= packed
         self._row_log.saw(self._step_now, rows)
+        self.cut_at(cp_split_bounds(rows[0], self._cp_split) if packed and rows else None)
+
+    def cut_at(self, bounds: Optional[tuple[int, ...]]) -> None:
+        """Where this rank's packed row is cut for CP's zigzag (its documents' bounds; None: the whole
+        row is one sequence): where a stats-only record's sketch places its tokens in the whole. A
+        watched model's forward call says so itself; a tensor split by tokens added before it (the
+        batch's inputs) needs it said first."""
+        self._writer.bounds = bounds
 
     def _lost_rows(self, reason: str, packed: bool) -> None:
         self._packed |= packed
@@ -715,6 +724,9 @@ class NullDumper:
         return None
 
     def hook_outputs(self, *args, **kwargs) -> None:
+        return None
+
+    def cut_at(self, *args, **kwargs) -> None:
         return None
 
     def step(self, n: int) -> contextlib.nullcontext:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from megalign.compare.fused import Sums
@@ -46,6 +47,7 @@ class Value:
     dtype: str
     tensor: Optional[torch.Tensor] = None
     stats: Optional[TensorStats] = None
+    sketch: Optional[np.ndarray] = None  # a stats-only tensor's, where its dump keeps one (dump/sketch.py)
     replicas: list[ReplicaGap] = field(default_factory=list)  # copies that should be equal and were read
     problem: Optional[str] = None  # set when the shards cannot be put back together
     # Set when the values are there but what they stand for is not recorded (per-rank parts of a

@@ -25,19 +25,20 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from megalign.compare import reference
 from megalign.compare.entries import Value
 from megalign.compare.metrics import (StatsMetrics, TensorMetrics, logprob_metrics, metrics_of, routing_metrics,
-                                      stats_metrics, tensor_metrics)
+                                      sketch_metrics, stats_metrics, tensor_metrics)
 from megalign.compare.rank_rows import RankRows, only_rank
 from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                       UNVERIFIABLE, Row, Verdict)
 from megalign.compare.scale import KindScale, SmallScale, check_kinds, check_scale, check_small, explained
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
 from megalign.dump.format import PRECISIONS, Kind
-from megalign.dump.stats import TensorStats
+from megalign.dump.stats import TensorStats, sketch_of
 
 
 @dataclass
@@ -64,6 +65,14 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
     if problems:
         v.status = NOT_REASSEMBLABLE
         v.notes += problems
+        return v
+    lone = [f"{side}: is a partial sum over ranks, which only its sketch stands for, and the other side has none"
+            for side, value, other in (("A", x, y), ("B", y, x))
+            if value.tensor is None and value.stats is None and value.sketch is not None
+            and other.tensor is None and other.sketch is None]
+    if lone:
+        v.status = NOT_REASSEMBLABLE
+        v.notes += lone
         return v
     precision_a, precision_b = run_precision(rules.run_a, x.dtype), run_precision(rules.run_b, y.dtype)
     precision = precision_of(precision_a, precision_b)
@@ -220,8 +229,16 @@ def _stored_apart(run: Optional[str], stored: str) -> bool:
 def _metrics(x: Value, y: Value) -> Union[TensorMetrics, StatsMetrics]:
     if x.tensor is not None and y.tensor is not None:
         return tensor_metrics(x.tensor, y.tensor)
-    return stats_metrics(_stats(x), _stats(y))  # a --stats-only side: compare summaries
+    # A --stats-only side: its sketch against the other's where both have one, else the summaries.
+    if (x.sketch is not None or x.tensor is not None) and (y.sketch is not None or y.tensor is not None):
+        return sketch_metrics(*map(_stats, (x, y)), *map(_sketch, (x, y)))
+    return stats_metrics(_stats(x), _stats(y))
 
 
-def _stats(value: Value) -> TensorStats:
-    return value.stats if value.stats is not None else TensorStats.of(value.tensor)
+def _stats(value: Value) -> Optional[TensorStats]:
+    """None: a partial sum's, which only its sketch stands for."""
+    return value.stats if value.stats is not None or value.tensor is None else TensorStats.of(value.tensor)
+
+
+def _sketch(value: Value) -> np.ndarray:
+    return value.sketch if value.sketch is not None else sketch_of(value.tensor)

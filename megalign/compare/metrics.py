@@ -72,6 +72,10 @@ class StatsMetrics(_Agreement):
     mean_b: float
     std_a: float
     std_b: float
+    # Where both sides kept a sketch (dump/sketch.py): rel_diff is the sketch's estimate, with this
+    # standard deviation (rel_diff * sqrt(2 / sketch_k)), not the norm and mean's.
+    sketch_k: Optional[int] = None
+    rel_diff_std: Optional[float] = None
 
 
 @dataclass
@@ -196,6 +200,27 @@ def stats_metrics(a: TensorStats, b: TensorStats) -> StatsMetrics:
     worst = max(_scalar_rel(a.norm - b.norm, a.norm, b.norm), _scalar_rel(a.mean - b.mean, rms_a, rms_b))
     return StatsMetrics(rel_diff=worst, norm_a=a.norm, norm_b=b.norm, mean_a=a.mean, mean_b=b.mean,
                         std_a=a.std, std_b=b.std, nan_a=a.nan, nan_b=b.nan, inf_a=a.inf, inf_b=b.inf)
+
+
+def sketch_metrics(a: Optional[TensorStats], b: Optional[TensorStats], sketch_a: np.ndarray,
+                   sketch_b: np.ndarray) -> StatsMetrics:
+    """The relative difference estimated from two sketches: sum((x-y)^2) by ||S(x) - S(y)||^2
+    (unbiased, relative std at most sqrt(2/K): dump/sketch.py), over sum(x*x + y*y) from the
+    statistics, exact; from the sketches too where a side has none (a partial sum's). The norms,
+    means and standard deviations are the statistics' (NaN where there are none)."""
+    diff = np.subtract(sketch_a, sketch_b, dtype=np.float64)
+    scale = float(np.abs(diff).max(initial=0.0))  # squares of tiny sketches would underflow
+    diff_sq = float(np.square(diff / scale).sum()) if scale > 0 else 0.0
+    norm_a, norm_b = (s.norm if s is not None else float(np.linalg.norm(k)) for s, k in ((a, sketch_a), (b, sketch_b)))
+    sum_sq = (norm_a / scale) ** 2 + (norm_b / scale) ** 2 if scale > 0 else norm_a ** 2 + norm_b ** 2
+    rel = rel_diff_of_sums(diff_sq, sum_sq)
+    k = len(sketch_a)
+    missing = TensorStats(numel=0, sum=math.nan, sum_sq=math.nan, abs_sum=math.nan, min=math.nan, max=math.nan,
+                          nan=0, inf=0)
+    a, b = a or missing, b or missing
+    return StatsMetrics(rel_diff=rel, norm_a=norm_a, norm_b=norm_b, mean_a=a.mean, mean_b=b.mean,
+                        std_a=a.std, std_b=b.std, nan_a=a.nan, nan_b=b.nan, inf_a=a.inf, inf_b=b.inf,
+                        sketch_k=k, rel_diff_std=rel * math.sqrt(2 / k))
 
 
 def _scalar_rel(diff: float, p: float, q: float) -> float:

@@ -45,9 +45,11 @@ def _divided(entry: Entry, divisor: float) -> Entry:
             return replace(value, tensor=value.tensor / divisor)
         if value.stats is not None:  # --stats-only: every statistic scales with the values
             s = value.stats
-            return replace(value, stats=replace(s, sum=s.sum / divisor, sum_sq=s.sum_sq / divisor ** 2,
-                                                abs_sum=s.abs_sum / divisor, min=s.min / divisor,
-                                                max=s.max / divisor))
+            value = replace(value, stats=replace(s, sum=s.sum / divisor, sum_sq=s.sum_sq / divisor ** 2,
+                                                 abs_sum=s.abs_sum / divisor, min=s.min / divisor,
+                                                 max=s.max / divisor))
+        if value.sketch is not None:  # a sketch is linear in the values
+            value = replace(value, sketch=value.sketch / divisor)
         return value
 
     # Read into no caller's buffer: the quotient is a tensor of its own.

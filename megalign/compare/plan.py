@@ -6,13 +6,13 @@ its tensor is split on as `Split`s; `place` works out the plan. megalign dumps (
 axes from the record's sharding and the layout; sglang dumps from their dims (sources/sglang_dims.py),
 which may also sum ranks' pieces (`partial`, the plan's terms).
 
-For a megalign dump, each shard's place is worked out per dim, as runs of local positions that land on consecutive global
-ones: along tp_dim, TP shards in tp_rank order (fused tensors, tp_parts, part by part); along the
-sequence dim, SP pieces in tp_rank order within their CP rank's piece, then the CP zigzag undone
-(document by document in a packed row, at the dump's bounds); along dp_dim, DP ranks in order. On an
-axis a tensor is not split on (no tp_dim, no sequence dim under CP, no dp_dim), the ranks hold
-replicas: the first is placed, the others are checked against it, by the content hash the run
-recorded for each (read only when the hashes differ, or a dump has none).
+For a megalign dump, each shard's place is worked out per dim (dump/placement.py), as runs of local
+positions that land on consecutive global ones: along tp_dim, TP shards in tp_rank order (fused tensors,
+tp_parts, part by part); along the sequence dim, SP pieces in tp_rank order within their CP rank's
+piece, then the CP zigzag undone (document by document in a packed row, at the dump's bounds); along
+dp_dim, DP ranks in order. On an axis a tensor is not split on (no tp_dim, no sequence dim under CP, no
+dp_dim), the ranks hold replicas: the first is placed, the others are checked against it, by the content
+hash the run recorded for each (read only when the hashes differ, or a dump has none).
 Under PP a name lives on one stage, whose ranks are exactly the shards given.
 A DTensor's pieces (sharding.mesh) are placed at the offsets they recorded instead, uneven ones too:
 ranks of one offset that differ only on Partial mesh dims are summed (`terms`), sums that differ on
@@ -24,10 +24,11 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple, Optional
+from typing import Callable, Iterable, Optional
 
 from megalign.dump.format import RankCoords, TensorRecord
-from megalign.dump.layout import Layout, cp_bounds, cp_positions
+from megalign.dump.layout import Layout
+from megalign.dump.placement import Run, Split, runs_of, splits_of  # noqa: F401 (Split: re-exported)
 from megalign.dump.reader import RankManifest
 from megalign.dump.sharding import MeshPlacement
 
@@ -38,26 +39,6 @@ class RankRecord:
 
     rank: RankManifest
     record: TensorRecord
-
-
-class Run(NamedTuple):
-    """Along one dim: the shard's `length` positions from `local` land on the whole's from `start`."""
-
-    local: int
-    start: int
-    length: int
-
-
-@dataclass(frozen=True)
-class Split:
-    """One axis the tensor is split on: its size, the dim it splits, and how (`parts`: fused tensors'
-    parts, each split on its own; `zigzag`: CP's load-balanced order)."""
-
-    axis: str  # TP, SP (TP ranks along the sequence), CP or DP
-    size: int
-    dim: int
-    parts: int = 1
-    zigzag: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,7 +114,7 @@ def make_plan(shards: list[RankRecord], layout: Layout,
     ordered = sorted(shards, key=lambda s: (s.rank.coords.dp_rank, s.rank.coords.cp_rank, s.rank.coords.tp_rank))
     plan = place([Holder(coords=c, at={"TP": c.tp_rank, "SP": c.tp_rank, "CP": c.cp_rank, "DP": c.dp_rank},
                          shape=tuple(s.record.shape), digest=_digest(s.record), bounds=row_bounds(c.dp_rank))
-                  for s in ordered for c in [s.rank.coords]], _splits(shards[0].record, layout))
+                  for s in ordered for c in [s.rank.coords]], splits_of(shards[0].record.sharding, layout))
     shape = full_shape(shards, layout)
     if math.prod(plan.shape) != math.prod(shape):  # ranks that claim the same coordinates, counted in the shape
         raise Unassemblable(f"has shards of {_shape_text(plan.shard_shape)} that do not make up its "
@@ -181,7 +162,7 @@ def place(holders: list[Holder], splits: tuple[Split, ...], summed: tuple[tuple[
         # The i-th holder of every term makes the i-th sum: the first is placed, the others are its replicas.
         sums = [[by_term[t][i] for t in sorted(by_term)] for i in range(copies.pop())]
         first = sums[0]
-        pieces.append(Piece(coords=first[0].coords, runs=_runs(first[0], splits), terms=tuple(h.coords for h in first[1:]),
+        pieces.append(Piece(coords=first[0].coords, runs=runs_of(first[0].shape, first[0].at, first[0].bounds, splits), terms=tuple(h.coords for h in first[1:]),
                             replicas=tuple(Replica(copy[0].coords, read=not all(_same_digest(a.digest, b.digest) for a, b in zip(first, copy)),
                                                    terms=tuple(h.coords for h in copy[1:])) for copy in sums[1:])))
     shape = list(holders[0].shape)
@@ -234,64 +215,6 @@ def _check_tiling(boxes: list[tuple[tuple[int, ...], list[int]]], whole: tuple[i
     for (a, a_shape), (b, b_shape) in itertools.combinations(boxes, 2):
         if all(x < y + m and y < x + n for x, n, y, m in zip(a, a_shape, b, b_shape)):
             raise Unassemblable(f"has pieces at offsets {list(a)} and {list(b)} that overlap")
-
-
-def _splits(record: TensorRecord, layout: Layout) -> tuple[Split, ...]:
-    """The axes of more than one rank a record's tensor is split on, in the order its runs are worked out."""
-    sharding = record.sharding
-    splits = []
-    if sharding.sp and layout.tp > 1:
-        splits.append(Split("SP", layout.tp, sharding.seq_dim))
-    elif sharding.tp_dim is not None and layout.tp > 1:
-        splits.append(Split("TP", layout.tp, sharding.tp_dim, parts=sharding.tp_parts))
-    if sharding.seq_dim is not None and layout.cp > 1:
-        splits.append(Split("CP", layout.cp, sharding.seq_dim, zigzag=True))
-    if sharding.dp_dim is not None and layout.dp > 1:
-        splits.append(Split("DP", layout.dp, sharding.dp_dim))
-    return tuple(splits)
-
-
-def _runs(holder: Holder, splits: tuple[Split, ...]) -> tuple[tuple[int, tuple[Run, ...]], ...]:
-    """Where a holder's positions go along each split dim: its own runs carried outward split by
-    split, from the innermost piece (the shard) to the whole."""
-    runs: dict[int, list[Run]] = {}
-    pieces: dict[int, int] = {}  # the size of the piece reached so far along each dim
-    for split in splits:
-        inner = pieces.get(split.dim, holder.shape[split.dim])
-        local = runs.get(split.dim, [Run(0, 0, inner)])
-        rank = holder.at[split.axis]
-        if split.zigzag:
-            runs[split.dim] = _through(local, cp_positions(cp_bounds(holder.bounds, inner, split.size), rank,
-                                                           split.size).tolist())
-        else:
-            runs[split.dim] = _outward(local, inner // split.parts, split.size, rank)
-        pieces[split.dim] = inner * split.size
-    return tuple((dim, tuple(runs[dim])) for dim in sorted(runs))
-
-
-def _outward(runs: list[Run], part: int, size: int, rank: int) -> list[Run]:
-    """Runs within a rank's piece carried into the whole of `size` such pieces laid side by side part
-    by part (one part: the rank's piece is the rank-th; fused tensors: each of its parts is)."""
-    moved = []
-    for local, start, length in runs:
-        while length:
-            index, offset = divmod(start, part)
-            n = min(length, part - offset)
-            moved.append(Run(local, (index * size + rank) * part + offset, n))
-            local, start, length = local + n, start + n, length - n
-    return moved
-
-
-def _through(runs: list[Run], positions: list[int]) -> list[Run]:
-    """Runs whose global starts index `positions`, mapped onto those positions (split where they jump)."""
-    mapped = []
-    for local, start, length in runs:
-        begin = 0
-        for i in range(1, length + 1):
-            if i == length or positions[start + i] != positions[start + i - 1] + 1:
-                mapped.append(Run(local + begin, positions[start + begin], i - begin))
-                begin = i
-    return mapped
 
 
 def _digest(record: TensorRecord) -> Optional[tuple[str, str]]:

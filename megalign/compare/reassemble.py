@@ -8,7 +8,9 @@ where the block is contiguous on both sides; otherwise the shard is read whole a
 block. Partial pieces (the plan's terms: a DTensor's, sglang's `partial`) are read into a scratch tensor and added in
 place, in rank order. A replica the plan says to read is read (and summed) into the same place of a
 scratch tensor and measured against the placed values as a ReplicaGap. Stats-only records are
-combined with TensorStats.combine over the placed shards; partial sums cannot be, and say so.
+combined with TensorStats.combine over the placed shards; partial sums cannot be, and say so. Their
+sketches, each taken at its shard's positions in the whole, are summed over the placed shards and
+their partial terms (replicas once): a partial sum keeps its sketch alone.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from megalign.compare.metrics import pair_sums
 from megalign.compare.plan import Piece, Plan, RankRecord, Unassemblable, full_shape, make_plan
 from megalign.dump.format import RankCoords
 from megalign.dump.reader import DumpFiles
+from megalign.dump.sketch import combine
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import read_into
 
@@ -48,8 +51,12 @@ def reassemble(dump: DumpFiles, shards: list[RankRecord], buffer: Optional[torch
         return value
     by_rank = {s.rank.coords.rank: s for s in shards}
     if first.file is None:
+        held = [by_rank[c.rank].record for p in plan.pieces for c in (p.coords, *p.terms)]
+        if all(r.sketch is not None for r in held):  # each at its own positions in the whole: a sum
+            value.sketch = combine(r.sketch for r in held)
         if any(p.terms for p in plan.pieces):
-            value.problem = "is a partial sum over ranks: statistics of its pieces do not make the sum's"
+            if value.sketch is None:
+                value.problem = "is a partial sum over ranks: statistics of its pieces do not make the sum's"
             return value
         value.stats = TensorStats.combine(by_rank[p.coords.rank].record.stats for p in plan.pieces)
         return value

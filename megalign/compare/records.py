@@ -139,7 +139,10 @@ class Row(Verdict, _Place):
                 token = f", token {lp.outside_token}" if lp.outside_token is not None else ""
                 notes.append(f"outside the loss mask |Δlogprob| max {lp.outside_max_abs_diff:.3g} "
                              f"(seq {lp.outside_sequence} pos {lp.outside_position}{token})")
-        if self.metrics is not None and not isinstance(self.metrics, TensorMetrics):
+        if isinstance(self.metrics, StatsMetrics) and self.metrics.sketch_k is not None:
+            notes.append(f"stats only: sketch estimate ±{self.metrics.rel_diff_std:.2g} "
+                         f"(1 std, k={self.metrics.sketch_k})")
+        elif self.metrics is not None and not isinstance(self.metrics, TensorMetrics):
             notes.append("stats only: norm/mean/std")
         return notes
 

@@ -18,18 +18,22 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from enum import StrEnum
 from typing import Optional
 
+import numpy as np
 import torch
 
+from megalign.dump.sketch import encode
 from megalign.dump.sharding import Sharding
 from megalign.dump.stats import TensorStats
 
 FORMAT = "megalign-dump"
-VERSION = 1
+# 2: stats-only records keep a sketch (sketch.py). Readers take every version of VERSIONS.
+VERSION = 2
+VERSIONS = (1, 2)
 DUMP_META = "dump.json"
 MANIFEST = "manifest.json"
 
@@ -102,13 +106,16 @@ class TensorRecord:
     # An activation gradient's: the order its output's forward call had. Backward reaches the calls of
     # a module in reverse, so a name's repeats are numbered by this, not by when the gradient came.
     call: Optional[int] = None
+    # A stats-only record's: its shard's sketch at its positions in the whole (sketch.py); absent in version 1.
+    sketch: Optional[np.ndarray] = field(default=None, compare=False)
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "name": self.name, "order": self.order, "shape": self.shape,
                 "dtype": self.dtype, "sharding": self.sharding.to_dict(), "module": self.module,
                 "layer": self.layer, "file": self.file, "key": self.key,
                 "stats": self.stats.to_dict() if self.stats else None, "hash": self.hash,
-                **({} if self.call is None else {"call": self.call})}
+                **({} if self.call is None else {"call": self.call}),
+                **({} if self.sketch is None else {"sketch": encode(self.sketch)})}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

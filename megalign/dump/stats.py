@@ -11,7 +11,10 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Callable, Iterable, Optional, Union
 
+import numpy as np
 import torch
+
+from megalign.dump.sketch import K, device_sketch, rows_and_cols
 
 CHUNK = 1 << 20  # elements summed at a time on a CPU (4 MiB of float32)
 
@@ -110,16 +113,37 @@ def _sums(x: torch.Tensor) -> tuple[float, float, float]:
     return float(buffer.sum()), float(buffer.mul(buffer).sum()), float(buffer.abs().sum())
 
 
-def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int, int]:
+def host_summary(tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> tuple[TensorStats, np.ndarray]:
+    """A CPU tensor's statistics and its sketch (sketch.py), in one pass: its element (r, c) (its
+    last dim the columns) lies at base[r] + cols[c] in the whole tensor."""
+    sketch = np.zeros(K, dtype=np.float64)
+    stats = TensorStats(tensor.numel(), *_host_stats(summable(tensor.detach().flatten()),
+                                                     (base.numpy(), cols.numpy(), sketch)))
+    return stats, sketch
+
+
+def sketch_of(tensor: torch.Tensor) -> np.ndarray:
+    """The sketch of a whole tensor (a full dump's, judged against a stats-only one's)."""
+    base, cols = rows_and_cols(tuple(tensor.shape), [torch.arange(n) for n in tensor.shape], tensor.device)
+    if tensor.device.type == "cpu":
+        return host_summary(tensor, base, cols)[1]
+    return device_sketch(summable(tensor.detach().reshape(-1)), base, cols).cpu().numpy()
+
+
+def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
+                ) -> tuple[float, float, float, float, float, int, int]:
     """(sum, sum of squares, sum of |x|, min, max) over a flat CPU tensor's finite values, its NaN and
-    Inf counts: CHUNK elements at a time, bf16 and fp16 widened into one reused float32 buffer (numpy
-    has no bf16; a whole-tensor copy costs a page fault per 4 KiB). The sums in one compiled pass and
-    the extremes by torch's aminmax, not torch's reductions: seven of them a tensor, each with its
-    dispatch, were 25% of a stats-only training loop's time on a CPU (cProfile, bench_trainer's
-    model). The extremes are not in the compiled loop: a min and max there keep LLVM from vectorizing
-    it (7x slower, measured). aminmax is one pass on every core: 2.3x as fast as numpy's min and max
-    on 1M elements, 1.4x on 4K, level on 32K (2 cores)."""
-    from megalign.dump.host_kernels import careful_stats, fast_sums  # numba: imported where first needed
+    Inf counts; with `sketch` (base, cols, the sketch), x's finite values added into the sketch in the
+    same pass (host_kernels.sums_and_sketch: 2.3 ms on 1M float32 where fast_sums takes 0.15, the hash's
+    2 ns an element; unvectorized, as the buckets are scattered). CHUNK elements at a time, bf16 and
+    fp16 widened into one reused float32 buffer (numpy has no bf16; a whole-tensor copy costs a page
+    fault per 4 KiB). The sums in one compiled pass and the extremes by torch's aminmax, not torch's
+    reductions: seven of them a tensor, each with its dispatch, were 25% of a stats-only training loop's
+    time on a CPU (cProfile, bench_trainer's model). The extremes are not in the compiled loop: a min
+    and max there keep LLVM from vectorizing it (7x slower, measured). aminmax is one pass on every
+    core: 2.3x as fast as numpy's min and max on 1M elements, 1.4x on 4K, level on 32K (2 cores)."""
+    # numba: imported where first needed
+    from megalign.dump.host_kernels import careful_stats, fast_sums, sums_and_sketch
 
     total = sum_sq = abs_sum = 0.0
     low, high, nan, inf = math.inf, -math.inf, 0, 0
@@ -128,7 +152,8 @@ def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int
     for start in range(0, x.numel(), CHUNK):
         piece = x[start:start + CHUNK]
         values = (scratch[:piece.numel()].copy_(piece) if widen else piece).numpy()
-        part = (*fast_sums(values), *map(float, torch.aminmax(piece)), 0, 0)
+        sums = fast_sums(values) if sketch is None else sums_and_sketch(values, start, *sketch)
+        part = (*sums, *map(float, torch.aminmax(piece)), 0, 0)
         if not (math.isfinite(part[0]) and math.isfinite(part[1])):  # a NaN or Inf here (or overflow)
             part = careful_stats(values)
         total, sum_sq, abs_sum = total + part[0], sum_sq + part[1], abs_sum + part[2]
@@ -139,6 +164,7 @@ def _host_stats(x: torch.Tensor) -> tuple[float, float, float, float, float, int
 
 
 ROW = 4096  # elements reduced together first: the rows side by side, then their results
+SUMMARY = 7  # the values of a tensor's summary (TensorStats.from_summary)
 
 
 class SummaryBatch:

@@ -13,9 +13,12 @@ import stat
 from pathlib import Path
 from typing import Any, Optional
 
-from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSION, RankCoords, TensorRecord, check_name
+import numpy as np
+
+from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSIONS, RankCoords, TensorRecord, check_name
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import MeshPlacement, Sharding
+from megalign.dump.sketch import K, decode
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import STORED_DTYPES
 from megalign.errors import UserError, is_int, is_number
@@ -54,9 +57,9 @@ def check_meta(raw: Any, where: str) -> tuple[dict, Layout]:
     meta = _dict(raw, where)
     if meta.get("format") != FORMAT:
         raise Malformed(f"{where}: not a megalign dump (format {meta.get('format')!r})")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in VERSIONS:
         raise Malformed(f"{where}: dump format version {meta.get('version')!r} is not supported "
-                        f"(this megalign reads version {VERSION})")
+                        f"(this megalign reads versions {', '.join(map(str, VERSIONS))})")
     if meta.get("dtype") not in PRECISIONS:  # thresholds follow it: a missing one would loosen nothing safely
         raise Malformed(f"{where}: dtype {meta.get('dtype')!r} is not one of {', '.join(PRECISIONS)}")
     layout = check_layout(meta.get("layout"), f"{where}: layout")
@@ -139,8 +142,8 @@ def _sizes(row: BatchRow, cp_split: str) -> list[int]:
 
 def check_manifest(raw: Any, where: str, rank: int, layout: Layout, rank_dir: Path) -> tuple[RankCoords, list, dict]:
     manifest = _dict(raw, where)
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
-        raise Malformed(f"{where}: not a megalign manifest of version {VERSION}")
+    if manifest.get("format") != FORMAT or manifest.get("version") not in VERSIONS:
+        raise Malformed(f"{where}: not a megalign manifest of versions {', '.join(map(str, VERSIONS))}")
     if manifest.get("rank") != rank:
         raise Malformed(f"{where}: rank {manifest.get('rank')!r} in the folder of rank {rank}")
     coords = RankCoords(rank=rank, **{f"{axis}_rank": _int(manifest.get(f"{axis}_rank", 0), f"{where}: {axis}_rank")
@@ -185,7 +188,18 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
                         layer=record.get("layer") if isinstance(record.get("layer"), int) else None,
                         file=file, key=key, stats=None if stats is None else _stats(stats, where),
                         hash=_hash(record.get("hash"), where),
-                        call=_optional_int(record.get("call"), f"{where}: call"))
+                        call=_optional_int(record.get("call"), f"{where}: call"),
+                        sketch=_sketch(record.get("sketch"), stats, where))
+
+
+def _sketch(raw: Any, stats: Any, where: str) -> Optional[np.ndarray]:
+    """A stats-only record's sketch: K float64 values in base64 (sketch.encode), finite."""
+    if raw is None:
+        return None
+    values = decode(raw) if isinstance(raw, str) and stats is not None else None
+    if values is None or not np.isfinite(values).all():
+        raise Malformed(f"{where}: sketch must be {K} finite float64 values in base64, beside stats")
+    return values
 
 
 def _name(raw: Any, where: str) -> str:

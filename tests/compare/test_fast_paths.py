@@ -8,6 +8,7 @@ import math
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from compare_fixtures import CP1, CP2, CP2_LOCAL, TP2
@@ -28,7 +29,7 @@ from megalign.dump import writer as writer_module
 from megalign.dump.format import RankCoords
 from megalign.dump.sharding import Sharding
 from megalign.dump.pinned import PinnedBuffers
-from megalign.dump.stats import TensorStats
+from megalign.dump.stats import TensorStats, sketch_of
 from megalign.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
 from megalign.dump.writer import RankWriter
 
@@ -252,13 +253,15 @@ def test_stats_only_records_the_values_as_they_were_added_on_each_device(tmp_pat
     tensors = [torch.randn(300, 300, generator=generator) * (i + 1) for i in range(9)]
     tensors += [torch.tensor([1.0, math.nan, math.inf]), torch.randn(40, generator=generator).bfloat16()]
     expected = [TensorStats.of(t) for t in tensors]
+    sketches = [sketch_of(t) for t in tensors]
     for i, tensor in enumerate(tensors):
         on_device = tensor.to(device)
         writer.add("activation", f"t{i}", on_device, Sharding())
         on_device.zero_()  # changed after add: the statistics are of the value it had
     writer.close()
-    for record, want in zip(writer.records, expected, strict=True):
+    for record, want, sketch in zip(writer.records, expected, sketches, strict=True):
         assert record.stats.to_dict() == pytest.approx(want.to_dict(), rel=1e-5, nan_ok=True), record.name
+        assert np.allclose(record.sketch, sketch, rtol=1e-12, atol=1e-12 * np.abs(sketch).max()), record.name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: bench/gpu.sh runs it")

@@ -105,6 +105,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     if spec.packed:
         (row,) = rows[mine]  # one packed row a DP rank
         batch = split_packed_over_cp(batch, cp_split_bounds(row, spec.cp_split), cp_group)
+        dumper.cut_at(cp_split_bounds(row, spec.cp_split))  # the inputs' sketches, before the forward says so
         packed = packed_seq_params(row, cp_group, "cuda" if spec.device == "cuda" else "cpu")
     elif layout.cp > 1:
         batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)

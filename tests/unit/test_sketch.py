@@ -1,0 +1,136 @@
+"""Sketches (dump/sketch.py): each rank's, taken at its shard's positions in the whole, sum to the
+whole tensor's sketch once compare puts a real stats-only dump back together (TP column and row
+shards, fused parts, CP zigzag, SP, DP rows, a partial sum, replicas once); the host's one-pass
+kernel and the device's torch ops agree; the twin: shards sketched at their local positions do not
+sum to the whole's."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megalign.compare.sources import open_source
+from megalign.dump.format import DUMP_META, RankCoords, write_json_atomic
+from megalign.dump.layout import Layout, zigzag_chunks
+from megalign.dump.meta import dump_meta
+from megalign.dump.partial import partial_piece
+from megalign.dump.sharding import Sharding
+from megalign.dump.sketch import K, device_sketch, encode, rows_and_cols
+from megalign.dump.stats import host_summary, sketch_of
+from megalign.dump.validate import Malformed, check_record
+from megalign.dump.writer import RankWriter
+
+LAYOUT = Layout(tp=2, cp=2, dp=2)
+GEN = torch.Generator().manual_seed(0)
+WHOLE = {"col": torch.randn(8, 6, generator=GEN), "row": torch.randn(6, 8, generator=GEN),
+         "fused": torch.randn(8, 4, generator=GEN), "act": torch.randn(4, 16, 6, generator=GEN),
+         "sp": torch.randn(16, 4, 6, generator=GEN).bfloat16(), "replica": torch.randn(5, generator=GEN),
+         "partial": torch.randn(3, 4, generator=GEN, dtype=torch.float64)}
+SHARDING = {"col": Sharding(tp_dim=0), "row": Sharding(tp_dim=1), "fused": Sharding(tp_dim=0, tp_parts=2),
+            "act": Sharding(dp_dim=0, seq_dim=1, tp_dim=2), "sp": Sharding(seq_dim=0, sp=True, dp_dim=1),
+            "replica": Sharding()}
+
+
+def tp(x: torch.Tensor, dim: int, rank: int, parts: int = 1) -> torch.Tensor:
+    return torch.cat([part.chunk(LAYOUT.tp, dim)[rank] for part in x.chunk(parts, dim)], dim)
+
+
+def zigzag(x: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    chunks = x.chunk(2 * LAYOUT.cp, dim)
+    return torch.cat([chunks[c] for c in zigzag_chunks(rank, LAYOUT.cp)], dim)
+
+
+def shard(name: str, c: RankCoords) -> torch.Tensor:
+    """Rank c's piece, cut as megatron cuts it (not by the placement rules under test)."""
+    x = WHOLE[name]
+    if name in ("col", "fused"):
+        return tp(x, 0, c.tp_rank, parts=2 if name == "fused" else 1)
+    if name == "row":
+        return tp(x, 1, c.tp_rank)
+    if name == "act":
+        return tp(zigzag(x.chunk(LAYOUT.dp, 0)[c.dp_rank], 1, c.cp_rank), 2, c.tp_rank)
+    if name == "sp":
+        return tp(zigzag(x.chunk(LAYOUT.dp, 1)[c.dp_rank], 0, c.cp_rank), 0, c.tp_rank)
+    return x
+
+
+def coords_of(rank: int) -> RankCoords:
+    return RankCoords(rank=rank, tp_rank=rank % 2, cp_rank=rank // 2 % 2, dp_rank=rank // 4)
+
+
+def write(out: Path, placed: bool) -> Path:
+    """A stats-only dump of WHOLE over LAYOUT's 8 ranks; `placed`: each writer knows the layout (the
+    Dumper's), else each shard is sketched where it lies locally (the twin)."""
+    terms = [torch.randn(WHOLE["partial"].shape, generator=GEN, dtype=torch.float64)
+             for _ in range(LAYOUT.dp * LAYOUT.cp - 1)]
+    terms.append(WHOLE["partial"] - sum(terms))
+    for rank in range(LAYOUT.world_size):
+        c = coords_of(rank)
+        writer = RankWriter(out, c, stats_only=True)
+        if placed:
+            writer.layout = LAYOUT
+        for name, sharding in SHARDING.items():
+            writer.add("activation", name, shard(name, c), sharding)
+        writer.add("activation", "partial", *partial_piece(terms[c.dp_rank * LAYOUT.cp + c.cp_rank],
+                                                           Sharding(partial="sum"), c, LAYOUT))
+        writer.close()
+    write_json_atomic(out / DUMP_META, dump_meta("python", "backward", LAYOUT,
+                                                 {"dtype": "fp32", "stats_only": True, "steps": []}))
+    return out
+
+
+def sketches(path: Path) -> dict[str, np.ndarray]:
+    return {entry.name: entry.load().sketch for entry in open_source(path).entries}
+
+
+def test_shards_sketches_sum_to_the_whole_tensors_sketch(tmp_path):
+    got = sketches(write(tmp_path / "placed", placed=True))
+    assert set(got) == set(WHOLE)
+    for name, whole in WHOLE.items():
+        want = sketch_of(whole)
+        assert np.allclose(got[name], want, rtol=1e-12, atol=1e-12 * np.abs(want).max()), name
+
+
+def test_twin_shards_sketched_at_their_local_positions_do_not_sum_to_the_whole(tmp_path):
+    got = sketches(write(tmp_path / "local", placed=False))
+    for name in ("col", "row", "fused", "act", "sp"):
+        assert not np.allclose(got[name], sketch_of(WHOLE[name]), rtol=1e-3), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU: bench/gpu.sh runs it"))])
+def test_the_host_kernel_and_the_device_ops_agree_over_finite_values(device):
+    """bf16 and float32, NaN and Inf left out (the statistics count them), a scalar, a shard of a
+    whole at other positions; the squared sketch estimates the squared norm."""
+    x = torch.randn(3, 1000, generator=GEN)
+    x[1, 7], x[2, 9] = math.nan, -math.inf
+    where = [torch.tensor([0, 5, 2]), torch.arange(1000, 2000)]
+    for tensor, placed in ((x, where), (x.bfloat16(), where), (torch.tensor(2.5), [])):
+        whole = (6, 3000) if placed else ()
+        stats, host = host_summary(tensor, *rows_and_cols(whole, placed))
+        on_device = device_sketch(tensor.to(device).reshape(-1),
+                                  *rows_and_cols(whole, placed, torch.device(device))).cpu().numpy()
+        assert np.allclose(host, on_device, rtol=1e-12, atol=1e-12) and host.shape == (K,)
+        finite = tensor.double()[torch.isfinite(tensor)]
+        assert float(np.square(host).sum()) == pytest.approx(float(finite.square().sum()), rel=4 * math.sqrt(2 / K))
+        assert (stats.nan, stats.inf) == ((1, 1) if placed else (0, 0))
+
+
+@pytest.mark.parametrize("sketch", ["not base64!", "AAAA", None])
+def test_a_sketch_that_is_not_k_finite_values_beside_stats_is_malformed(tmp_path, sketch):
+    """validate.py: what is not K float64 values in base64 (None: a NaN among them) is bad input."""
+    writer = RankWriter(tmp_path, RankCoords(rank=0), stats_only=True)
+    writer.add("activation", "x", torch.ones(3), Sharding())
+    writer.close()
+    record = writer.records[0].to_dict()
+    assert check_record(record, "r", tmp_path).sketch is not None
+    if sketch is None:
+        record["sketch"] = encode(np.full(K, math.nan))
+    else:
+        record["sketch"] = sketch
+    with pytest.raises(Malformed, match="sketch must be 128 finite float64 values in base64, beside stats"):
+        check_record(record, "r", tmp_path)
