@@ -16,13 +16,14 @@ from megalign.compare.outputs import Output, check_outputs, write_replacing
 from megalign.compare.report import is_report, write_jsonl
 from megalign.compare.rollout_findings import is_worst_file, write_worst
 from megalign.compare.thresholds import Thresholds
-from megalign.compare.zoom import Zoom, stats_divergence, zoom_around
+from megalign.compare.zoom import stats_divergence, zoom_around
 from megalign.compare.pipeline import compare_paths
 from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, SKIPPED,
                                       UNVERIFIABLE, Report, Row, Span)
 from megalign.dump.format import KINDS
 from megalign.errors import UserError
 from megalign.cli.rollout import print_rollout
+from megalign.stacks import STACKS
 from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, print_table, reader_may_leave,
                                  resolve_format, shown, use_color)
 
@@ -186,7 +187,7 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging, t
         for line in report.summary_lines():
             console.print(_markup(line), highlight=False, soft_wrap=True)
         if table and stats_divergence(report) is not None:
-            console.print(_zoom_hint(zoom_around(report)), highlight=False, soft_wrap=True)
+            console.print(_zoom_hint(report), highlight=False, soft_wrap=True)
         if findings:
             print_rollout(findings, judging.fmt)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
@@ -202,11 +203,13 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging, t
     return report
 
 
-def _zoom_hint(zoom: Zoom) -> str:
-    """How to see a divergence judged on statistics in full: both runs again, zoomed alike."""
-    rule = shlex.quote(str(zoom.rule))
-    return (f"zoom in: run both sides again, the same inputs and seeds, with MEGALIGN_DUMP_ONLY={rule} (a Dumper's; "
-            f"megalign's runs: --dump-only {rule}; megalign check --zoom does both passes), and compare them")
+def _zoom_hint(report: Report) -> str:
+    """How to see a divergence judged on statistics in full: both sides again, zoomed alike."""
+    rule = shlex.quote(str(zoom_around(report).rule))
+    if report.a.stack in STACKS:
+        return f"zoom in: megalign check --zoom, or both runs again with --dump-only {rule}, and compare the two"
+    return (f"zoom in: both loops again, the same inputs and seeds, with MEGALIGN_DUMP_ONLY={rule} (Dumper's "
+            "dump_only=), and compare the two")
 
 
 def run_explain(inputs: list[tuple[str, Path]], name: str) -> int:

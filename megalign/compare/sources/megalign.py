@@ -54,7 +54,7 @@ def _open(path: Path) -> Source:
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
-                   + (f", values of {meta['dump_only']!r} only, stats for the rest" if meta.get("dump_only")
+                   + (", zoomed: values of the tensors --dump-only chose, stats of the rest" if meta.get("dump_only")
                       else ", stats only" if meta.get("stats_only") else ""))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,
