@@ -222,7 +222,7 @@ class Dumper:
             self._autocast.add(precision)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
                          layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call,
-                         full=self._full is not None and self._full.wants(self._written_step(), name))
+                         full=self._in_full(name))
 
     def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
                    module: Optional[str] = None, grad: bool = True, grad_sharding: Optional[Sharding] = None) -> None:
@@ -412,10 +412,10 @@ class Dumper:
         finally:
             self._writing, self._step_now = outside, outside_step
 
-    def _written_step(self) -> Optional[int]:
-        """The step a record written now stands under, as compare names it: the last step begun (the
-        gradients read as the optimizer steps come after its block)."""
-        return self._marks[-1][0] if self._marks else None
+    def _in_full(self, name: str) -> bool:
+        """Whether `name`, written now, is one of dump_only's: under the step compare names it by, the
+        last begun (the gradients read as the optimizer steps come after its block)."""
+        return self._full is not None and self._full.wants(self._marks[-1][0] if self._marks else None, name)
 
     def _drop_step(self, n: int, error: BaseException) -> None:
         """Leave out step n, whose block raised: its records, its mark and its rows. Kept, its
@@ -470,17 +470,20 @@ class Dumper:
         # collective, and a piece may be zero on one rank only: never tested. Stats-only, each one's
         # statistics say so at close (a read-back now would stall a device's queue every step), but
         # not under megatron's TP: the TP ranks decide together, now.
+        # A zoom's values have no statistics to say so at close: those are tested now, or a zoomed dump
+        # would hold an all-zero gradient its stats-only counterpart leaves out.
         later = self._writer.stats_only and self.layout.tp == self.layout.expert_tp == 1
         for adapter, params in by_adapter.values():
             grads = adapter.read_grads(params)
             tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
-            held = [] if later else adapter.held([grads[name] if name in tested else None for name in grads],
-                                                 list(params.values()))
-            present = {name: holds for name, holds in zip(grads, held) if name in tested}
+            now = {name for name in tested if not later or self._in_full(name + suffix)}
+            held = adapter.held([grads[name] if name in now else None for name in grads],
+                                list(params.values())) if now or not later else []
+            present = {name: holds for name, holds in zip(grads, held) if name in now}
             for name, param in params.items():
                 if grads[name] is not None and present.get(name, True):
                     self._record(Kind.PARAM_GRAD, name + suffix, grads[name], adapter.param_sharding(name, param),
-                                 module=name.rpartition(".")[0] or None, unless_zero=later and name in tested)
+                                 module=name.rpartition(".")[0] or None, unless_zero=name in tested - now)
         return range(first, len(self.records))
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:

@@ -64,13 +64,10 @@ def test_a_loop_zoomed_where_its_stats_diverge_shows_the_divergence_in_full_valu
     assert same.exit_code == 0, same.output
 
 
-def test_the_rule_reads_a_step_and_a_regex_or_a_regex_alone(monkeypatch, tmp_path):
+def test_the_rule_reads_a_step_and_a_regex_or_a_regex_alone():
+    """(A bad regex in MEGALIGN_DUMP_ONLY: test_from_env.py's one-line errors.)"""
     assert full_values("1:^layers\\.4$") == FullValues(1, "^layers\\.4$")
     assert full_values("layers:4") == FullValues(None, "layers:4")
     assert str(full_values("12:a|b")) == "12:a|b" and not full_values("12:a|b").wants(11, "a")
-    with pytest.raises(UserError, match=r"MEGALIGN_DUMP_ONLY: '\(' is not a valid regular expression"):
-        with monkeypatch.context() as m:
-            m.setenv("MEGALIGN_DUMP", str(tmp_path / "x"))
-            m.setenv("MEGALIGN_DUMP_ONLY", "3:(")
-            megalign.Dumper.from_env()
-    assert not (tmp_path / "x").exists()
+    with pytest.raises(UserError, match=r"^--dump-only: '\(' is not a valid regular expression"):
+        full_values("3:(", "--dump-only")
