@@ -94,13 +94,13 @@ def check(
         runs["reference"] = ("--baseline", f"{baseline} --dtype fp64")
     first = out / STATS_PASS if zoom else out
 
-    def commands(folder: Path, added: list[str]) -> dict[str, list[str]]:
+    def commands(folder: Path, added: tuple[str, ...]) -> dict[str, list[str]]:
         return {name: _run_argv(mode, ctx.args, option, extra, folder / name, overwrite, added, zoom)
                 for name, (option, extra) in runs.items()}
 
     try:
         check_judging(judging, [out])
-        argv = commands(first, [STATS_ONLY[0]] if zoom else [])
+        argv = commands(first, (STATS_ONLY[0],) if zoom else ())
     except UserError as e:
         fail(str(e), e.exit_code)
     _launch(argv)
@@ -112,7 +112,7 @@ def check(
     around = zoom_around(compared)
     console.print(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first "
                   "divergence", highlight=False, soft_wrap=True)
-    _launch(commands(out / ZOOM_PASS, [DUMP_ONLY[0], str(around.rule)]))
+    _launch(commands(out / ZOOM_PASS, (DUMP_ONLY[0], str(around.rule))))
     zoomed = run_compare(*_dumps(out / ZOOM_PASS, reference), judging)
     console.print(around.line(), highlight=False, soft_wrap=True)
     if zoomed.first_divergence is not None:
@@ -145,7 +145,7 @@ def _in_full(report: Report) -> str:
 
 
 def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path, overwrite: bool,
-              added: list[str] = [], zoom: bool = False) -> list[str]:
+              added: tuple[str, ...] = (), zoom: bool = False) -> list[str]:
     """The command line of one run, with check's `added` options; `option` (--baseline, --target) is
     where `extra` came from."""
     try:

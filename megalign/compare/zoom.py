@@ -4,7 +4,8 @@ stats-only comparison diverged.
 
 Around it, in computation order within its step: the BEFORE records before it and the AFTER after
 it, each name's activation gradient too (it bears the activation's name), and where the first is a
-module's output, its parameters' gradients (where it is a parameter's, its module's output). The
+module's output, the gradients of its parameters and of its direct submodules' (where it is a
+parameter's, its module's output and those). The
 rule names them exactly: a zoom's cost is known before it runs.
 """
 
@@ -53,7 +54,7 @@ def zoom_around(report: Report) -> Optional[Zoom]:
     """The tensors around the first divergence; None where nothing diverged."""
     if report.first_divergence is None:
         return None
-    steps = {(entry.kind, entry.name): entry.step for entry in report.a.entries}
+    steps = {(entry.kind, entry.name): entry.step for source in (report.b, report.a) for entry in source.entries}
     step = steps.get((report.rows[report.first_divergence].kind, report.rows[report.first_divergence].name))
     # The rows of its step, in computation order: a window counts its own step's records only.
     rows = [row for row in report.rows if steps.get((row.kind, row.name)) == step]
@@ -63,11 +64,17 @@ def zoom_around(report: Report) -> Optional[Zoom]:
     if first.kind in _PARAMETERS:
         module = module.rpartition(".")[0]
     chosen = rows[max(0, at - BEFORE):at + AFTER + 1] + \
-        [row for row in rows if row.kind in _PARAMETERS and _recorded(row.name, step).startswith(module + ".")] + \
+        [row for row in rows if row.kind in _PARAMETERS and _owned(module, _recorded(row.name, step))] + \
         [row for row in rows if _recorded(row.name, step) == module]
     names = {_recorded(row.name, step) for row in chosen}
     ordered = dict.fromkeys(name for name in (_recorded(row.name, step) for row in rows) if name in names)
     return Zoom(step, tuple(ordered))
+
+
+def _owned(module: str, parameter: str) -> bool:
+    """A parameter of `module` or of one of its direct submodules: a layer's, not a whole model's (the
+    first divergence at `decoder` would zoom every layer's gradients)."""
+    return parameter.startswith(module + ".") and parameter[len(module) + 1:].count(".") <= 1
 
 
 def _recorded(label: str, step: Optional[int]) -> str:

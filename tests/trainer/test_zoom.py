@@ -29,7 +29,8 @@ def run(monkeypatch, out, bug: bool = False, **env: str) -> None:
 
 
 def records(report) -> dict[tuple[str, str], dict]:
-    return {(row["kind"], row["name"]): row for row in map(json.loads, report.read_text().splitlines()) if row["record"] == "tensor"}
+    rows = map(json.loads, report.read_text().splitlines())
+    return {(row["kind"], row["name"]): row for row in rows if row["record"] == "tensor"}
 
 
 def test_a_loop_zoomed_where_its_stats_diverge_shows_the_divergence_in_full_values(tmp_path, monkeypatch):
