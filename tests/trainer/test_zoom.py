@@ -1,7 +1,7 @@
 """The zoom recipe in a user's loop (tests/trainer/mlp_train.py, megalign's public API only): a stats-only
 pass over every step and tensor, compared; then both loops again with MEGALIGN_DUMP_ONLY=STEP:REGEX as
 compare proposes it, whose comparison gives the first divergence in full values. The rule's own text
-(dump/zoom.py) is read here too."""
+(dump/zoom.py), and which tensors a zoom takes (compare/zoom.py), are tested here too."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import re
 import shlex
 
 import pytest
+import torch
 
 import megalign
+from megalign.compare.pipeline import compare_paths
+from megalign.compare.thresholds import Thresholds
+from megalign.compare.zoom import zoom_around
 from megalign.dump.zoom import FullValues, full_values
 from megalign.errors import UserError
 from tests.conftest import invoke
@@ -72,3 +76,32 @@ def test_the_rule_reads_a_step_and_a_regex_or_a_regex_alone():
     assert str(full_values("12:a|b")) == "12:a|b" and not full_values("12:a|b").wants(11, "a")
     with pytest.raises(UserError, match=r"^--dump-only: '\(' is not a valid regular expression"):
         full_values("3:(", "--dump-only")
+
+
+class Net(torch.nn.Module):
+    """A head over a block of two layers; `bug` doubles its output, first seen at `net` itself."""
+
+    def __init__(self, bug: bool):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        self.head = torch.nn.Linear(4, 4)
+        self.bug = bug
+
+    def forward(self, x):
+        return self.head(self.inner(x)) * (2 if self.bug else 1)
+
+
+def test_a_divergence_at_a_whole_model_zooms_its_own_and_its_direct_submodules_parameters(tmp_path):
+    """Not every layer's below them: a model's output first off would zoom the whole model's gradients."""
+    for name, bug in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"net": Net(bug)})
+        with megalign.Dumper(tmp_path / name) as dumper:
+            dumper.watch(model)
+            with dumper.step(0):
+                model["net"](torch.ones(2, 4)).sum().backward()
+    report = compare_paths(tmp_path / "a", tmp_path / "b", None, Thresholds.from_cli(None, [])).report
+    zoom = zoom_around(report)
+    assert report.rows[report.first_divergence].name == "net"
+    assert zoom.step == 0 and "net" in zoom.names and zoom.names[-2:] == ("net.head.weight", "net.head.bias")
+    assert not any(name.startswith("net.inner.") and name.endswith(("weight", "bias")) for name in zoom.names)
