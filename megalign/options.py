@@ -172,6 +172,11 @@ class Output:
                                         "Default: all.")
     stats_only: bool = option(False, "--stats-only",
                               help="Write per-tensor statistics instead of values (for big models). Default: values.")
+    dump_only: Optional[str] = option(None, "--dump-only", metavar="[STEP:]REGEX",
+                                      help="Values only for the tensors whose name matches REGEX (of step STEP, "
+                                           "where the dump has steps), statistics as --stats-only writes them for "
+                                           "every other: how megalign check --zoom dumps the tensors around the "
+                                           "first divergence. Default: values for every tensor.")
     save: Optional[Path] = option(None, "--save", metavar="DIR",
                                   help="Also write this run's weights as a Megatron distributed checkpoint (torch_dist) "
                                        "in DIR, new or empty and neither inside --out nor holding it, with "

@@ -332,6 +332,7 @@ class RunSpec:
     grad_source: GradSource = Numerics.grad_source
     filter: Optional[str] = Output.filter
     stats_only: bool = Output.stats_only
+    dump_only: Optional[str] = Output.dump_only
     timeout_s: float = Launch.timeout_s
     distributed_optimizer: bool = Parallelism.distributed_optimizer
     hf: Optional[str] = None  # --hf: a Hugging Face checkpoint folder to load instead of seeded weights

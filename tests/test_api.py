@@ -279,16 +279,17 @@ def test_a_divergence_beside_unrecorded_rows_is_still_caught(tmp_path):
     assert "first divergence: loss loss\n" in result.output
 
 
-@pytest.mark.parametrize("stats_only", [False, True])
-def test_a_parameter_without_a_gradient_is_left_out_and_every_other_dumped(tmp_path, stats_only):
+@pytest.mark.parametrize("keywords", [{}, {"stats_only": True}, {"dump_only": "0:^unused|^used.bias"}], ids=str)
+def test_a_parameter_without_a_gradient_is_left_out_and_every_other_dumped(tmp_path, keywords):
     """A frozen layer's `.grad` is None, an unused one's all zeros (what an untouched DDP main_grad
     holds): neither is a gradient to compare; the used layer's are dumped (one read-back for all;
-    stats-only, their statistics say which are all zero, at close)."""
+    stats-only, their statistics say which are all zero, at close; zoomed, with values, the unused one
+    is left out as a stats-only dump leaves it out: it was kept, a false 'missing' against one)."""
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "frozen": torch.nn.Linear(4, 4),
                                  "unused": torch.nn.Linear(4, 4)})
     model["frozen"].requires_grad_(False)
-    with megalign.Dumper(tmp_path / "out", stats_only=stats_only) as dumper:
+    with megalign.Dumper(tmp_path / "out", **keywords) as dumper:
         dumper.watch(model, outputs=False)
         with dumper.step(0):
             model["unused"].weight.grad = torch.zeros(4, 4)

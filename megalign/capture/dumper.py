@@ -61,6 +61,7 @@ from megalign.dump.meta import EXPERT_BIAS_UPDATE, dump_meta
 from megalign.dump.partial import check_partial, partial_piece
 from megalign.dump.sharding import Sharding
 from megalign.dump.writer import RankWriter, check_storable
+from megalign.dump.zoom import FullValues, full_values
 from megalign.errors import UserError
 
 if TYPE_CHECKING:
@@ -75,7 +76,9 @@ class Dumper:
     `close()` (or at the end of a `with` block), all at once; a refused `out` raises UserError on
     every rank before anything is written.
 
-    `stats_only`: per-tensor statistics instead of values. `name_filter`: a regex; only tensors whose
+    `stats_only`: per-tensor statistics instead of values. `dump_only`: values only for the tensors it
+    names ("STEP:REGEX", or "REGEX" in every step: dump/zoom.py), statistics for every other, as
+    `stats_only` writes them: a zoom into the first divergence a stats-only pass found. `name_filter`: a regex; only tensors whose
     name it finds are written (inputs always). `claim=False`: `out` is a folder a launcher has
     claimed and will land (megalign's runs): every rank writes into it as it is, and rank 0 adds
     dump.json at close. `steps`: which steps are written ("all" or None, a step, a list of steps,
@@ -101,8 +104,10 @@ class Dumper:
     def __init__(self, out, *, overwrite: bool = False, stats_only: bool = False,
                  name_filter: Optional[str] = None, claim: bool = True, steps: Steps = "all",
                  params: bool = False, dp_group: Union[dist.ProcessGroup, "DeviceMesh", None] = None,
-                 dtype: Union[str, torch.dtype, None] = None, grad_reduction: Stated = None):
+                 dtype: Union[str, torch.dtype, None] = None, grad_reduction: Stated = None,
+                 dump_only: Union[str, FullValues, None] = None):
         self._choice = choose_steps(steps)
+        self._full = None if dump_only is None else full_values(dump_only)
         self._stated_reduction = check_stated(grad_reduction)
         self._reducers = Reducers()  # the watched DDPs and FSDP2 modules: how they reduce, read at close
         self._precision = None if dtype is None else _stated_precision(dtype)
@@ -120,7 +125,8 @@ class Dumper:
 
             self._on_rank_zero(claim_out)
         self._folder = staging_dir(self.out) if claim else self.out  # where the ranks write
-        self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only, name_filter=name_filter)
+        self._writer = RankWriter(self._folder, self.coords, stats_only=stats_only or self._full is not None,
+                                  name_filter=name_filter)
         self._writer.layout = self.layout
         # parameter name -> the parameter, of watched modules, and the adapter of the model it is in
         self._watched: dict[str, tuple[torch.nn.Parameter, Adapter]] = {}
@@ -219,7 +225,8 @@ class Dumper:
         if (precision := _autocast_precision(tensor)) is not None:
             self._autocast.add(precision)
         self._writer.add(kind, name, tensor, sharding or Sharding(), module=module,
-                         layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call)
+                         layer=layer_of(module or name), stable=stable, unless_zero=unless_zero, call=call,
+                         full=self._in_full(name))
 
     def add_output(self, kind: str, name: str, tensor: torch.Tensor, sharding: Sharding, *, view: View = None,
                    module: Optional[str] = None, grad: bool = True, grad_sharding: Optional[Sharding] = None) -> None:
@@ -421,6 +428,11 @@ class Dumper:
         finally:
             self._writing, self._step_now = outside, outside_step
 
+    def _in_full(self, name: str) -> bool:
+        """Whether `name`, written now, is one of dump_only's: under the step compare names it by, the
+        last begun (the gradients read as the optimizer steps come after its block)."""
+        return self._full is not None and self._full.wants(self._marks[-1][0] if self._marks else None, name)
+
     def _drop_step(self, n: int, error: BaseException) -> None:
         """Leave out step n, whose block raised: its records, its mark and its rows. Kept, its
         tensors would stand under the step before it in the dump (compare lines up records by step)."""
@@ -474,17 +486,20 @@ class Dumper:
         # collective, and a piece may be zero on one rank only: never tested. Stats-only, each one's
         # statistics say so at close (a read-back now would stall a device's queue every step), but
         # not under megatron's TP: the TP ranks decide together, now.
+        # A zoom's values have no statistics to say so at close: those are tested now, or a zoomed dump
+        # would hold an all-zero gradient its stats-only counterpart leaves out.
         later = self._writer.stats_only and self.layout.tp == self.layout.expert_tp == 1
         for adapter, params in by_adapter.values():
             grads = adapter.read_grads(params)
             tested = {name for name, grad in grads.items() if grad is not None and not is_dtensor(grad)}
-            held = [] if later else adapter.held([grads[name] if name in tested else None for name in grads],
-                                                 list(params.values()))
-            present = {name: holds for name, holds in zip(grads, held) if name in tested}
+            now = {name for name in tested if not later or self._in_full(name + suffix)}
+            held = adapter.held([grads[name] if name in now else None for name in grads],
+                                list(params.values())) if now or not later else []
+            present = {name: holds for name, holds in zip(grads, held) if name in now}
             for name, param in params.items():
                 if grads[name] is not None and present.get(name, True):
                     self._record(Kind.PARAM_GRAD, name + suffix, grads[name], adapter.param_sharding(name, param),
-                                 module=name.rpartition(".")[0] or None, unless_zero=later and name in tested)
+                                 module=name.rpartition(".")[0] or None, unless_zero=name in tested - now)
         return range(first, len(self.records))
 
     def close(self, manifest: Optional[dict] = None, meta: Optional[Callable[[], dict]] = None) -> None:
@@ -527,6 +542,7 @@ class Dumper:
         rows = rows_meta(self._row_logs, self.layout.dp, self._packed, self._cp_split, self.layout.cp)
         return dump_meta("python", "backward" if kinds & {Kind.ACTIVATION_GRAD, Kind.PARAM_GRAD} else "forward",
                          self.layout, {"dtype": self._run_precision(), "stats_only": self._writer.stats_only,
+                                       **({"dump_only": str(self._full)} if self._full else {}),
                                        "steps": self._steps, **rows, **self._reduction(),
                                        **({EXPERT_BIAS_UPDATE: self._bias_update} if self._bias_update else {})})
 
@@ -669,6 +685,7 @@ ENVIRONMENT: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "MEGALIGN_DUMP_STEPS": ("steps", choose_steps),
     "MEGALIGN_OVERWRITE": ("overwrite", _flag),
     "MEGALIGN_STATS_ONLY": ("stats_only", _flag),
+    "MEGALIGN_DUMP_ONLY": ("dump_only", full_values),
     "MEGALIGN_PARAMS": ("params", _flag),
     "MEGALIGN_FILTER": ("name_filter", _pattern),
     "MEGALIGN_DTYPE": ("dtype", _stated_precision),

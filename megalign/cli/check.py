@@ -4,6 +4,11 @@ What users otherwise script by hand:
 
     megalign check --hf CKPT --baseline "--stack hf" --target "--tp 3"
     megalign check --baseline "--cp 1" --target "--cp 2" --reference
+    megalign check --baseline "--cp 1" --target "--cp 2" --zoom
+
+--zoom finds the first divergence at the cost of statistics (--stats-only runs), then runs again,
+the same inputs and seeds, with values for the tensors around it (--dump-only, compare/zoom.py):
+full depth where a full dump would not fit on the disk.
 
 Options check does not know itself go to every run (--hf, --config, --tokens, --seq-len, --seed,
 ...); --baseline and --target add their own. Each run is a real `megalign forward|backward`
@@ -16,13 +21,17 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 from typer.exceptions import TyperException
 
+from megalign.compare.metrics import TensorMetrics
+from megalign.compare.records import Report
+from megalign.compare.zoom import zoom_around
 from megalign.errors import UserError
 from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, Kinds, NoColor, Plot,
-                                  SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging,
+                                  SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging, exit_code,
                                   run_compare)
 from megalign.cli.render import console, fail, use_color
 from megalign.cli.run import parse_run
@@ -30,6 +39,10 @@ from megalign.options import Mode, Output, RunConfig, flag
 
 # Each run's folder and its replacement are check's to decide.
 OWN_OPTIONS = (*flag(RunConfig, "out").spelling, *flag(Output, "overwrite").spelling)
+DUMP_ONLY = flag(Output, "dump_only").spelling  # --zoom's, for its second pass
+STATS_ONLY = flag(Output, "stats_only").spelling
+# --zoom's passes, each a folder of --out holding its runs' folders.
+STATS_PASS, ZOOM_PASS = "stats-only", "zoomed"
 RUNS_HELP = ("Run options for {side} only, in one quoted string, e.g. \"--stack hf\" or \"--cp 2 --tp 2\". "
              "Default: none.")
 
@@ -41,9 +54,17 @@ def check(
     reference: bool = typer.Option(False, "--reference",
                                    help="Also run the baseline with --dtype fp64 and judge A and B against it "
                                         "(compare --reference). Default: per-kind thresholds."),
+    zoom: bool = typer.Option(False, "--zoom",
+                              help="Two passes, for runs whose full dump would not fit the disk: every run "
+                                   "--stats-only, compared; where they diverge, every run again (same inputs and "
+                                   "seeds) with values only for the tensors around the first divergence (its "
+                                   "neighbours in computation order, their gradients, its parameters' gradients: "
+                                   "--dump-only) and statistics for the rest, and that comparison is the verdict. "
+                                   "Agreeing statistics: exit 0 with no second pass. Default: one pass, all values."),
     mode: Mode = typer.Option("backward", "--mode", help="Which pass the runs dump."),
     out: Path = typer.Option(Path("dumps/check"), "--out", "-o", metavar="DIR",
-                             help="Folder for the runs' dumps: DIR/baseline, DIR/target, DIR/reference."),
+                             help="Folder for the runs' dumps: DIR/baseline, DIR/target, DIR/reference (with "
+                                  f"--zoom: in DIR/{STATS_PASS} and DIR/{ZOOM_PASS})."),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="Replace the dumps of an earlier check in --out (only megalign dumps are "
                                         "ever replaced). Default: refuse existing dumps."),
@@ -71,22 +92,62 @@ def check(
     runs = {"baseline": ("--baseline", baseline), "target": ("--target", target)}
     if reference:
         runs["reference"] = ("--baseline", f"{baseline} --dtype fp64")
+    first = out / STATS_PASS if zoom else out
+
+    def commands(folder: Path, added: tuple[str, ...]) -> dict[str, list[str]]:
+        return {name: _run_argv(mode, ctx.args, option, extra, folder / name, overwrite, added, zoom)
+                for name, (option, extra) in runs.items()}
+
     try:
         check_judging(judging, [out])
-        argv = {name: _run_argv(mode, ctx.args, option, extra, out / name, overwrite)
-                for name, (option, extra) in runs.items()}
+        argv = commands(first, (STATS_ONLY[0],) if zoom else ())
     except UserError as e:
         fail(str(e), e.exit_code)
+    _launch(argv)
+    compared = run_compare(*_dumps(first, reference), judging, table=not zoom)
+    if not zoom or compared.summary.ok:
+        if zoom:
+            console.print("the stats-only pass agrees: nothing to zoom into, no second pass", highlight=False)
+        raise typer.Exit(exit_code(compared))
+    around = zoom_around(compared)
+    console.print(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first "
+                  "divergence", highlight=False, soft_wrap=True)
+    _launch(commands(out / ZOOM_PASS, (DUMP_ONLY[0], str(around.rule))))
+    zoomed = run_compare(*_dumps(out / ZOOM_PASS, reference), judging)
+    console.print(around.line(), highlight=False, soft_wrap=True)
+    if zoomed.first_divergence is not None:
+        console.print(_in_full(zoomed), highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code(zoomed))
+
+
+def _launch(argv: dict[str, list[str]]) -> None:
+    """Each run in turn; a failed one stops check with its exit code (2 for bad input, else 1)."""
     for name, command in argv.items():
         console.print(f"[bold]{name}[/]: megalign {shlex.join(command[3:])}", highlight=False, soft_wrap=True)
         code = subprocess.run(command).returncode
         if code != 0:
             fail(f"the {name} run failed (exit {code}); nothing compared", 2 if code == 2 else 1)
-    raise typer.Exit(run_compare(out / "baseline", out / "target", out / "reference" if reference else None, judging))
 
 
-def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path, overwrite: bool) -> list[str]:
-    """The command line of one run; `option` (--baseline, --target) is where `extra` came from."""
+def _dumps(folder: Path, reference: bool) -> tuple[Path, Path, Optional[Path]]:
+    return folder / "baseline", folder / "target", folder / "reference" if reference else None
+
+
+def _in_full(report: Report) -> str:
+    """The zoomed comparison's first divergence, with its full metrics where it lies in the zoom."""
+    row = report.rows[report.first_divergence]
+    cells = dict(zip(("rel diff", "max abs diff", "threshold"), row.cells(True)[4:7]))
+    figures = ", ".join(f"{label} {text}" for label, text in cells.items() if text)
+    if isinstance(row.metrics, TensorMetrics):
+        return f"first divergence, in full values: {row.kind} {row.name}: {figures}"
+    return f"first divergence, outside the zoom (statistics only): {row.kind} {row.name}" + \
+        (f": {figures}" if figures else "")
+
+
+def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path, overwrite: bool,
+              added: tuple[str, ...] = (), zoom: bool = False) -> list[str]:
+    """The command line of one run, with check's `added` options; `option` (--baseline, --target) is
+    where `extra` came from."""
     try:
         own = shlex.split(extra)
     except ValueError as e:
@@ -94,9 +155,12 @@ def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path,
     for own_option in OWN_OPTIONS:
         if own_option in shared or own_option in own:
             raise UserError(f"{own_option} is check's own option: it names each run's folder inside --out")
+    for own_option in DUMP_ONLY if zoom else ():
+        if own_option in shared or own_option in own:
+            raise UserError(f"{own_option} is --zoom's own option: its second pass chooses the tensors")
     _check_run_options(mode, shared, "megalign check")
     _check_run_options(mode, [*shared, *own], f"megalign check {option} {extra!r}")
-    return [sys.executable, "-m", "megalign", mode, *shared, *own, "--out", str(out)] + \
+    return [sys.executable, "-m", "megalign", mode, *shared, *own, *added, "--out", str(out)] + \
         (["--overwrite"] if overwrite else [])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +16,14 @@ from megalign.compare.outputs import Output, check_outputs, write_replacing
 from megalign.compare.report import is_report, write_jsonl
 from megalign.compare.rollout_findings import is_worst_file, write_worst
 from megalign.compare.thresholds import Thresholds
+from megalign.compare.zoom import stats_divergence, zoom_around
 from megalign.compare.pipeline import compare_paths
 from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH, SKIPPED,
-                                      UNVERIFIABLE, Row, Span)
+                                      UNVERIFIABLE, Report, Row, Span)
 from megalign.dump.format import KINDS
 from megalign.errors import UserError
 from megalign.cli.rollout import print_rollout
+from megalign.stacks import STACKS
 from megalign.cli.render import (DROP, FOLD, Cell, Column, console, fail, print_table, reader_may_leave,
                                  resolve_format, shown, use_color)
 
@@ -139,7 +142,7 @@ def compare(
     judging = Judging(filter=filter, kind=kind, skip_kind=skip_kind, threshold=threshold, tolerance=tolerance, allow_skipped=allow_skipped,
                       allow_missing=allow_missing, strict_nonfinite=strict_nonfinite, json_out=json_out, plot=plot,
                       workers=workers, fmt=fmt, export_worst=export_worst)
-    raise typer.Exit(run_compare(a, b, reference, judging))
+    raise typer.Exit(exit_code(run_compare(a, b, reference, judging)))
 
 
 def check_judging(judging: Judging, inputs: list[Path]) -> tuple[Thresholds, KindChoice]:
@@ -153,8 +156,13 @@ def check_judging(judging: Judging, inputs: list[Path]) -> tuple[Thresholds, Kin
     return Thresholds.from_cli(judging.threshold, judging.tolerance), kinds
 
 
-def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -> int:
-    """Compare, print the table and summary, write the reports; the exit code (2 after a one-line error)."""
+def exit_code(report: Report) -> int:
+    return 0 if report.summary.ok else 1
+
+
+def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging, table: bool = True) -> Report:
+    """Compare, print the table (unless not `table`: check --zoom's stats-only pass, which zooms itself)
+    and summary, write the reports; exit 2 after a one-line error."""
     try:
         thresholds, kinds = check_judging(judging, [a, b] + ([reference] if reference else []))
         compared = compare_paths(a, b, reference, thresholds, needs_rollout=judging.export_worst is not None,
@@ -172,11 +180,14 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
         for line in report.dtype_lines():
             console.print(line, highlight=False, soft_wrap=True)
         console.print()
-        print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
-                    resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
-        console.print()
+        if table:
+            print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
+                        resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
+            console.print()
         for line in report.summary_lines():
             console.print(_markup(line), highlight=False, soft_wrap=True)
+        if table and stats_divergence(report) is not None:
+            console.print(_zoom_hint(report), highlight=False, soft_wrap=True)
         if findings:
             print_rollout(findings, judging.fmt)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
@@ -189,7 +200,16 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging) -
     if judging.export_worst is not None and findings is not None:
         n, path = judging.export_worst
         _write_report(path, lambda tmp: write_worst(tmp, compared.pair, findings, n))
-    return 0 if report.summary.ok else 1
+    return report
+
+
+def _zoom_hint(report: Report) -> str:
+    """How to see a divergence judged on statistics in full: both sides again, zoomed alike."""
+    rule = shlex.quote(str(zoom_around(report).rule))
+    if report.a.stack in STACKS:
+        return f"zoom in: megalign check --zoom, or both runs again with --dump-only {rule}, and compare the two"
+    return (f"zoom in: both loops again, the same inputs and seeds, with MEGALIGN_DUMP_ONLY={rule} (Dumper's "
+            "dump_only=), and compare the two")
 
 
 def run_explain(inputs: list[tuple[str, Path]], name: str) -> int:

@@ -124,7 +124,8 @@ def _summary(spec, result: RunResult, stack: str) -> None:
                      f"{spec.device}  model={spec.model.name}  loss-norm={spec.loss_norm}"
                      + (f"  packed: {spec.seq_len}-token rows" if spec.packed else "")),
              ("tensors", f"{result.tensors} records from {plural(result.ranks, 'rank')}"
-                         + ("  (statistics only)" if spec.stats_only else "")),
+                         + (f"  (values of --dump-only {spec.dump_only!r}, statistics of the rest)" if spec.dump_only
+                            else "  (statistics only)" if spec.stats_only else "")),
              ("size", human_bytes(result.bytes))]
     if spec.save:
         lines.append(("saved", f"{spec.save} (Megatron distributed checkpoint, with {MODEL_FILE})"))

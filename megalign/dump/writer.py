@@ -96,8 +96,8 @@ class RankWriter:
 
     def add(self, kind: Kind, name: str, tensor: torch.Tensor, sharding: Sharding,
             module: Optional[str] = None, layer: Optional[int] = None, stable: bool = False,
-            unless_zero: bool = False, call: Optional[int] = None) -> None:
-        """Record a tensor. `stable`: it will not change before close() (parameter gradients after the
+            unless_zero: bool = False, call: Optional[int] = None, full: bool = False) -> None:
+        """Record a tensor. `full`: its values even in a stats-only writer (a zoom's, dump/zoom.py). `stable`: it will not change before close() (parameter gradients after the
         step), so it is written from where it is; any other is copied now. `unless_zero` (stats-only):
         the record is left out at close if its statistics say the tensor is all zero. `call`: an
         activation gradient's forward call (TensorRecord.call). The Dumper has refused a tensor no dump
@@ -109,7 +109,7 @@ class RankWriter:
         record = TensorRecord(kind=kind, name=name, order=len(self.records), shape=list(tensor.shape),
                               dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer,
                               call=call)
-        if self.stats_only:
+        if self.stats_only and not full:
             if unless_zero:
                 self._unless_zero.append(record)
             base, cols = _located(tuple(tensor.shape), sharding, self.coords, self.layout, self.bounds,

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Optional
 
 from megalign.dump.landing import check_apart, check_out
+from megalign.dump.zoom import full_values
 from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len, rollout_sequences
@@ -145,6 +146,8 @@ def plan_run(config: RunConfig) -> RunSpec:
     check_distributed_optimizer(config)
     if output.filter:
         compile_pattern("--filter", output.filter)
+    if output.dump_only:
+        full_values(output.dump_only, "--dump-only")
     check_attention(numerics.attention, p.cp, numerics.dtype, batch.packed)
     check_attention_features(model, numerics.attention, p.cp, batch.packed)
     timeout_s = config.launch.timeout_s
@@ -156,7 +159,8 @@ def plan_run(config: RunConfig) -> RunSpec:
                    seq_len=seq_len,
                    device=resolve_device(numerics.device), dtype=numerics.dtype, seed=numerics.seed,
                    attention=numerics.attention, loss_norm=numerics.loss_norm, grad_source=numerics.grad_source,
-                   filter=output.filter, stats_only=output.stats_only, timeout_s=timeout_s,
+                   filter=output.filter, stats_only=output.stats_only, dump_only=output.dump_only,
+                   timeout_s=timeout_s,
                    distributed_optimizer=p.distributed_optimizer, hf=str(config.source.hf) if config.source.hf else None,
                    load=str(checkpoint_folder(config.source.load)) if config.source.load else None,
                    save=str(output.save) if output.save else None,

@@ -4,17 +4,40 @@ from __future__ import annotations
 
 import json
 
+import megalign
 from conftest import invoke
 
 
 def test_check_runs_both_and_passes(tmp_path):
+    """With --zoom: runs that agree in their statistics are not run again (the twin of the next test)."""
     out = tmp_path / "check"
-    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2", "--out", out, "--json", tmp_path / "r.jsonl")
+    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2", "--zoom", "--out", out,
+                    "--json", tmp_path / "r.jsonl")
     assert result.exit_code == 0, result.output
-    assert {p.name for p in out.iterdir()} == {"baseline", "target"}
+    assert [p.name for p in out.iterdir()] == ["stats-only"]
+    assert {p.name for p in (out / "stats-only").iterdir()} == {"baseline", "target"}
     summary = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])
     assert summary["ok"] and summary["compared"] > 60
     assert "all compared tensors within threshold" in result.output
+    assert "the stats-only pass agrees: nothing to zoom into, no second pass" in result.output
+
+
+def test_check_zooms_into_the_first_divergence_its_statistics_find(tmp_path):
+    """The stats-only pass finds the CP loss bug at the loss; the second pass dumps values for the
+    tensors around it only, and its comparison names it with full metrics."""
+    out = tmp_path / "check"
+    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2 --loss-norm local", "--zoom", "--out", out,
+                    "--json", tmp_path / "r.jsonl")
+    assert result.exit_code == 1, result.output
+    assert "zoomed: tensors decoder.final_layernorm..loss (5 names), full values; the rest stats-only" in result.output
+    assert "first divergence, in full values: loss loss: rel diff 0.2, max abs diff 4.85" in result.output
+    rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    first = next(row for row in rows if row.get("first_divergence"))
+    assert (first["kind"], first["name"], first["metrics"]["mode"]) == ("loss", "loss", "values")
+    zoomed = megalign.open(out / "zoomed" / "target")
+    full = {name for kind, name in zoomed.names() if zoomed.shards(kind, name)[0].stats is None}
+    assert full == {"decoder.final_layernorm", "decoder", "logits", "logprobs", "loss"}
+    assert len(zoomed.names()) == len(megalign.open(out / "stats-only" / "target").names())
 
 
 def test_check_catches_the_loss_bug_and_names_the_side(tmp_path):
@@ -38,6 +61,8 @@ def test_a_failing_run_stops_check_with_its_error(tmp_path, capfd):
     assert unsplittable.exit_code == 2 and "cannot split" in unsplittable.output
     own_option = invoke("check", "--target", "--out x", "--out", tmp_path / "c")
     assert own_option.exit_code == 2 and "--out is check's own option" in own_option.output
+    zoom_option = invoke("check", "--zoom", "--target", "--dump-only loss", "--out", tmp_path / "d")
+    assert zoom_option.exit_code == 2 and "--dump-only is --zoom's own option" in zoom_option.output
 
 
 def test_a_run_option_that_does_not_exist_stops_check_before_any_run(tmp_path):

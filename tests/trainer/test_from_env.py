@@ -136,7 +136,7 @@ def test_megalign_overwrite_replaces_a_dump_and_without_it_the_dump_is_kept(tmp_
 @pytest.mark.parametrize("variable, text", [("MEGALIGN_OVERWRITE", "yes"), ("MEGALIGN_OVERWRITE", "True"),
                                             ("MEGALIGN_STATS_ONLY", "2"), ("MEGALIGN_PARAMS", "on"),
                                             ("MEGALIGN_FILTER", "layers.("), ("MEGALIGN_DTYPE", "bf17"),
-                                            ("MEGALIGN_GRAD_REDUCTION", "average")])
+                                            ("MEGALIGN_GRAD_REDUCTION", "average"), ("MEGALIGN_DUMP_ONLY", "3:(")])
 def test_a_bad_keyword_variable_is_a_one_line_user_error_before_any_dump(tmp_path, monkeypatch, variable, text):
     with pytest.raises(UserError, match=f"^{variable}: ") as error:
         dump_once(tmp_path, monkeypatch, 1.0, **{variable: text})

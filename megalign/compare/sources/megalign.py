@@ -55,7 +55,8 @@ def _open(path: Path) -> Source:
     description = (f"megalign dump: {meta.get('stack', '?')} {meta.get('mode', '?')}, {dump.layout.describe()}"
                    + f", {meta.get('dtype', '?')}"
                    + (", packed" if meta.get("packed") else "")
-                   + (", stats only" if meta.get("stats_only") else "")
+                   + (", zoomed: values of the tensors --dump-only chose, stats of the rest" if meta.get("dump_only")
+                      else ", stats only" if meta.get("stats_only") else "")
                    + _bias_update(meta.get(EXPERT_BIAS_UPDATE)))
     return Source(path=Path(path), format="megalign", description=description, entries=entries,
                   precision=meta.get("dtype"), model=meta.get("model") if isinstance(meta.get("model"), dict) else None,

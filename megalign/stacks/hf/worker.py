@@ -47,7 +47,8 @@ def _run(spec: RunSpec) -> None:
     rows = batch_rows(spec)
     batch = build_batch(spec.tokens, rows, spec.label_mask)
     inputs = {k: v.to(spec.device) for k, v in batch.as_dict().items()}
-    dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, claim=False)
+    dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, dump_only=spec.dump_only,
+                    claim=False)
     for key, value in inputs.items():
         dumper.add(Kind.INPUT, key, value, BATCH_FIRST)
 

@@ -62,7 +62,8 @@ def _run(spec: RunSpec, rank: int) -> None:
                                              expert_model_parallel_size=layout.ep,
                                              expert_tensor_parallel_size=layout.expert_tp)
     # The launcher has claimed spec.out and lands it. The Dumper reads this rank's coordinates from parallel_state.
-    dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, claim=False)
+    dumper = Dumper(spec.out, stats_only=spec.stats_only, name_filter=spec.filter, dump_only=spec.dump_only,
+                    claim=False)
     coords = dumper.coords
     if layout.expert_tp == layout.tp > 1 and parallel_state.get_expert_tensor_parallel_rank() != coords.tp_rank:
         raise RuntimeError("expert TP ranks differ from TP ranks: megalign cannot reassemble expert shards here")

@@ -1,0 +1,107 @@
+"""The zoom recipe in a user's loop (tests/trainer/mlp_train.py, megalign's public API only): a stats-only
+pass over every step and tensor, compared; then both loops again with MEGALIGN_DUMP_ONLY=STEP:REGEX as
+compare proposes it, whose comparison gives the first divergence in full values. The rule's own text
+(dump/zoom.py), and which tensors a zoom takes (compare/zoom.py), are tested here too."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+import torch
+
+import megalign
+from megalign.compare.pipeline import compare_paths
+from megalign.compare.thresholds import Thresholds
+from megalign.compare.zoom import zoom_around
+from megalign.dump.zoom import FullValues, full_values
+from megalign.errors import UserError
+from tests.conftest import invoke
+from tests.trainer import mlp_train
+
+ZOOMED = {"layers.1", "layers.2", "layers.3", "layers.4", "layers.5", "loss", "layers.4.weight", "layers.4.bias"}
+
+
+def run(monkeypatch, out, bug: bool = False, **env: str) -> None:
+    """mlp_train.py as `MEGALIGN_DUMP=out ENV... python mlp_train.py [--bug]` runs it."""
+    with monkeypatch.context() as m:
+        for variable, value in {"MEGALIGN_DUMP": str(out), **env}.items():
+            m.setenv(variable, value)
+        mlp_train.main(["--bug"] if bug else [])
+
+
+def records(report) -> dict[tuple[str, str], dict]:
+    rows = map(json.loads, report.read_text().splitlines())
+    return {(row["kind"], row["name"]): row for row in rows if row["record"] == "tensor"}
+
+
+def test_a_loop_zoomed_where_its_stats_diverge_shows_the_divergence_in_full_values(tmp_path, monkeypatch):
+    run(monkeypatch, tmp_path / "a", MEGALIGN_STATS_ONLY="1")
+    run(monkeypatch, tmp_path / "b", bug=True, MEGALIGN_STATS_ONLY="1")
+    stats = invoke("compare", tmp_path / "a", tmp_path / "b")
+    assert stats.exit_code == 1, stats.output
+    assert "first divergence: activation step1/layers.4\n" in stats.output
+    rule = shlex.split(re.search(r"MEGALIGN_DUMP_ONLY=(\S+)", stats.output).group(1))[0]
+    assert rule.startswith("1:") and full_values(rule).wants(1, "layers.4.weight")
+
+    for name, bug in (("a-zoom", False), ("b-zoom", True), ("a-zoom-again", False)):
+        run(monkeypatch, tmp_path / name, bug=bug, MEGALIGN_DUMP_ONLY=rule)
+    dump = megalign.open(tmp_path / "a-zoom")
+    full = [name for kind, name in dump.names() if dump.shards(kind, name)[0].stats is None]
+    assert set(full) == {f"step1/{name}" for name in ZOOMED}
+    assert len(full) == 13  # 5 outputs and their gradients, the loss, layer 4's 2 parameter gradients
+    assert len(dump.names()) == 75  # every other tensor is there, as statistics
+    zoomed = invoke("compare", tmp_path / "a-zoom", tmp_path / "b-zoom", "--json", tmp_path / "zoom.jsonl")
+    assert zoomed.exit_code == 1, zoomed.output
+    assert "first divergence: activation step1/layers.4\n" in zoomed.output and "zoom in:" not in zoomed.output
+    rows = records(tmp_path / "zoom.jsonl")
+    first = rows["activation", "step1/layers.4"]
+    assert first["first_divergence"] and first["metrics"]["mode"] == "values" and first["metrics"]["max_abs_diff"] > 0
+    assert rows["activation", "step0/layers.4"]["metrics"]["mode"] == "stats"
+    # A zoomed dump against a stats-only one: nothing missing, the same first divergence.
+    mixed = invoke("compare", tmp_path / "a", tmp_path / "b-zoom")
+    assert mixed.exit_code == 1 and "missing" not in mixed.output
+    assert "first divergence: activation step1/layers.4\n" in mixed.output
+    # The agreeing twin: the loop without the bug, zoomed alike, agrees in full values.
+    same = invoke("compare", tmp_path / "a-zoom", tmp_path / "a-zoom-again")
+    assert same.exit_code == 0, same.output
+
+
+def test_the_rule_reads_a_step_and_a_regex_or_a_regex_alone():
+    """(A bad regex in MEGALIGN_DUMP_ONLY: test_from_env.py's one-line errors.)"""
+    assert full_values("1:^layers\\.4$") == FullValues(1, "^layers\\.4$")
+    assert full_values("layers:4") == FullValues(None, "layers:4")
+    assert str(full_values("12:a|b")) == "12:a|b" and not full_values("12:a|b").wants(11, "a")
+    with pytest.raises(UserError, match=r"^--dump-only: '\(' is not a valid regular expression"):
+        full_values("3:(", "--dump-only")
+
+
+class Net(torch.nn.Module):
+    """A head over a block of two layers; `bug` doubles its output, first seen at `net` itself."""
+
+    def __init__(self, bug: bool):
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        self.head = torch.nn.Linear(4, 4)
+        self.bug = bug
+
+    def forward(self, x):
+        return self.head(self.inner(x)) * (2 if self.bug else 1)
+
+
+def test_a_divergence_at_a_whole_model_zooms_its_own_and_its_direct_submodules_parameters(tmp_path):
+    """Not every layer's below them: a model's output first off would zoom the whole model's gradients."""
+    for name, bug in (("a", False), ("b", True)):
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"net": Net(bug)})
+        with megalign.Dumper(tmp_path / name) as dumper:
+            dumper.watch(model)
+            with dumper.step(0):
+                model["net"](torch.ones(2, 4)).sum().backward()
+    report = compare_paths(tmp_path / "a", tmp_path / "b", None, Thresholds.from_cli(None, [])).report
+    zoom = zoom_around(report)
+    assert report.rows[report.first_divergence].name == "net"
+    assert zoom.step == 0 and "net" in zoom.names and zoom.names[-2:] == ("net.head.weight", "net.head.bias")
+    assert not any(name.startswith("net.inner.") and name.endswith(("weight", "bias")) for name in zoom.names)
