@@ -32,6 +32,7 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
         "ddp1": (1, DDP), "ddp2": (2, DDP), "fsdp1": (1, FSDP2), "fsdp2": (2, FSDP2),
         "rank_mean": (2, (*DDP, "--bug", "rank-mean")), "unscaled": (2, (*FSDP2, "--bug", "unscaled")),
         "same_shard": (2, (*DDP, "--bug", "same-shard")),
+        "dropout1": (1, (*DDP, "--bug", "dropout")), "dropout": (2, (*DDP, "--bug", "dropout")),
         "fsdp2_inside": (2, (*FSDP2, *INSIDE)), "local_clip": (2, (*FSDP2, "--bug", "local-clip")),
         "local_clip_inside": (2, (*FSDP2, *INSIDE, "--bug", "local-clip"))})
 
@@ -60,18 +61,26 @@ def test_a_shared_outputs_gradient_is_a_partial_sum_and_the_loss_a_partial_mean(
     assert two.tensor("loss", "step1/loss").item() == pytest.approx(one.tensor("loss", "step1/loss").item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("bug, one, first", [
-    ("rank_mean", "ddp1", "loss step0/loss"),  # each rank's own mean over its uneven mask
-    ("unscaled", "fsdp1", "loss step0/loss"),  # averaged, but the loss not times the world size
-    ("same_shard", "ddp1", "activation step0/transformer.wte"),  # both ranks on the first rank's rows
+@pytest.mark.parametrize("bug, one, first, rank", [
+    ("rank_mean", "ddp1", "loss step0/loss", None),  # each rank's own mean over its uneven mask
+    ("unscaled", "fsdp1", "loss step0/loss", None),  # averaged, but the loss not times the world size
+    # both ranks on the first rank's rows: with uneven masks, another count of real tokens
+    ("same_shard", "ddp1", "activation step0/transformer.wte",
+     "B's DP rank 1 holds the rows of its DP rank 0 (data sharding?)"),
+    # dropout on at both worlds: rank 1 draws the masks rank 0 draws, not those of the batch's next rows
+    ("dropout", "dropout1", "activation step0/transformer.drop",
+     "only B's DP rank 1 rows differ (random state, data sharding?)"),
     # the local shard's norm, clipping inside the step block or after it, against a clip after it
-    ("local_clip_inside", "fsdp1", "param_grad step0/transformer.wte.weight#stepped"),
-    ("local_clip", "fsdp1", "param_grad step0/transformer.wte.weight#stepped"),
+    ("local_clip_inside", "fsdp1", "param_grad step0/transformer.wte.weight#stepped", None),
+    ("local_clip", "fsdp1", "param_grad step0/transformer.wte.weight#stepped", None),
 ])
-def test_each_planted_bug_fails_where_it_starts(dumps, bug, one, first):
+def test_each_planted_bug_fails_where_it_starts(dumps, bug, one, first, rank):
+    """And where the difference is one rank's own (its data, its random state), the rank is named
+    under the first divergence; the other bugs are every rank's, and no rank is named."""
     result = invoke("compare", dumps[one], dumps[bug])
     assert result.exit_code == 1, result.output
-    assert f"first divergence: {first}\n" in result.output
+    said = f"  {rank}\n" if rank else ""
+    assert f"first divergence: {first}\n{said}first failure per kind" in result.output
 
 
 def test_a_clip_inside_the_step_block_agrees_with_one_clipping_after_it(dumps):
