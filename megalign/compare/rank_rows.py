@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,9 +23,6 @@ from megalign.compare.metrics import tensor_metrics
 from megalign.compare.plan import Unassemblable, make_plan
 from megalign.dump.format import Kind
 from megalign.dump.layout import Layout
-
-if TYPE_CHECKING:
-    from megalign.compare.records import Row
 
 CAUSES = "random state, data sharding?"
 SAME_SHARD = "data sharding?"
@@ -52,10 +49,10 @@ def rank_rows(pair: Pair, layout_a: Optional[Layout], layout_b: Optional[Layout]
     return max(reversed(found), key=lambda rows: len(rows.blocks), default=None)
 
 
-def unname_after_parameters_differ(rows: Sequence["Row"]) -> None:
-    """Takes the note that one rank's rows differ off every row after a failing parameter or parameter
-    gradient (rows in the order of the computation: a step's parameters come first, its parameter
-    gradients last)."""
+def unname_after_parameters_differ(rows: Sequence) -> None:
+    """Takes the note that one rank's rows differ off every row (records.Row, which imports this
+    module) after a failing parameter or parameter gradient, the rows in the order of the
+    computation: a step's parameters come first, its parameter gradients last."""
     differ = False
     for row in rows:
         if differ:

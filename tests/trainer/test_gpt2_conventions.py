@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import megalign
-from tests.conftest import invoke
+from tests.conftest import assert_whole, at_80_columns, invoke
 from tests.trainer.torchruns import dump_all
 
 SCRIPT = Path(__file__).with_name("gpt2_train.py")
@@ -97,3 +97,24 @@ def test_a_clip_after_the_step_block_shows_at_its_own_step(dumps):
     result = invoke("compare", dumps["fsdp1"], dumps["local_clip"])
     assert re.search(r"param_grad +step0/transformer.wte.weight +67x32 .* PASS", result.output), result.output
     assert re.search(r"param_grad +step0/transformer.wte.weight#stepped +67x32 .* FAIL", result.output)
+
+
+@pytest.mark.parametrize("one, two", [("ddp1", "ddp2"), ("fsdp1", "fsdp2"), ("ddp1", "rank_mean"), ("fsdp1", "unscaled"),
+                                      ("ddp1", "same_shard"), ("dropout1", "dropout"), ("fsdp1", "local_clip_inside"),
+                                      ("fsdp1", "local_clip")])
+def test_each_compare_reads_whole_at_80_columns(dumps, one, two, tmp_path):
+    """Before, the sides' lines (their gradient conventions) and the summary's were one line each,
+    which a terminal cuts anywhere; the same-shard twin's SHAPE_MISMATCH status left the table one
+    column too wide, and it came out as plain text, every row past the edge."""
+    assert_whole(*at_80_columns(dumps[one], dumps[two], tmp_path / "report.jsonl"))
+
+
+def test_a_report_cut_or_left_unwrapped_is_caught(dumps, tmp_path):
+    """The failing twin of the 80-column check: the same-shard report with its first side's line
+    unwrapped, and with its last summary line cut in half."""
+    output, records = at_80_columns(dumps["ddp1"], dumps["same_shard"], tmp_path / "report.jsonl")
+    lines = output.splitlines()
+    for planted in (" ".join(lines[:2]), *lines[2:]), (*lines[:-1], lines[-1][:len(lines[-1]) // 2]):
+        with pytest.raises(AssertionError):
+            assert_whole("\n".join(planted), records)
+
