@@ -6,7 +6,9 @@ size, world 2 agrees with one process as written. The Dumper records each run's 
 embedding's output gradient is each rank's partial sum over its rows. The parameter gradients are
 read at the reduction and again as the optimizer steps on them (`#stepped`, where a clip changed
 them), so that a clip inside the step block and one after it agree, and a clip bug fails at its own
-step wherever it stands. Each planted bug fails where it starts.
+step wherever it stands. Each planted bug fails where it starts; where its cause is one rank's (its
+data shard, its dropout masks), the rank is named under the first divergence. Every compare reads
+whole in a terminal 80 columns wide.
 """
 
 from __future__ import annotations
