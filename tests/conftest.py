@@ -37,6 +37,48 @@ def invoke(*args: str, env: Optional[dict[str, str]] = None):
     return CliRunner().invoke(app, [str(a) for a in args], env=env)
 
 
+def at_80_columns(a: Path, b: Path, out: Path) -> tuple[str, list[dict]]:
+    """`megalign compare A B` in a terminal 80 columns wide: its output, and its --json records (in `out`)."""
+    result = invoke("compare", a, b, "--format", "table", "--json", out, env={"COLUMNS": "80"})
+    assert result.exit_code in (0, 1), result.output
+    return result.output, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def assert_whole(output: str, records: list[dict], width: int = 80) -> None:
+    """A report that reads whole in a terminal `width` wide: no line wider, no ellipsis; every name of
+    the table whole over its folded lines; the lines around it (each side with its gradient convention,
+    the notes under the table, the summary) wrapped between words, so that joined they hold the --json
+    report's words as written."""
+    from rich.cells import cell_len
+
+    def joined(lines: list[str]) -> str:
+        return " ".join(" ".join(lines).split())
+
+    lines, (*rows, summary) = output.splitlines(), records
+    assert max(map(cell_len, lines)) <= width and "…" not in output, output
+    rule = next(i for i, line in enumerate(lines) if line.startswith("─"))  # under the column names
+    top, end = lines.index(""), lines.index("", rule)
+    header = lines[rule - 1]
+    assert joined(lines[:top]) == joined([f"{side.upper()} {summary[side]['path']}: {summary[side]['description']}"
+                                          for side in "ab"]), output
+    notes = next((i for i in range(rule, end) if lines[i].startswith("notes (")), end)
+    name, shape, kind = header.index("name"), header.index("shape"), header.index("kind")
+    names: list[str] = []
+    for line in lines[rule + 1:notes]:
+        if line[:kind].strip():
+            names.append("")
+        names[-1] += line[name:shape].strip()
+    assert names == [row["name"] for row in rows], output
+    assert joined(lines[notes + 1:end]) == joined([f"{row['order']}: {'; '.join(row['notes'])}" for row in rows
+                                                   if row["notes"]]), output
+    said = joined(lines[end + 1:])
+    first = summary["first_divergence"]
+    expected = [f"{summary['compared']} compared, {summary['passed']} passed, {summary['failed']} failed"] + \
+        ([f"first divergence: {first}", "first failure per kind: " + "; ".join(
+            f"{kind} {name}" for kind, name in summary["first_failure_by_kind"].items())] if first else [])
+    assert all(text in said for text in expected), output
+
+
 def error_line(result, traceback: bool = False) -> str:
     """The one `error:` line; a traceback only where a worker crashed (the failing rank's own)."""
     lines = [line for line in result.output.splitlines() if line.startswith("error:")]

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from megalign.capture import megatron_adapter, torch_adapter
 from megalign.capture.adapter import Adapter, Sink, View
 from megalign.capture.coverage import collective_device, read_grad
+from megalign.capture.ddp_grads import sharded
 from megalign.capture.dtensor import is_dtensor, local_piece
 from megalign.capture.grad_reads import GradReads
 from megalign.capture.hooks import Hooks
@@ -324,12 +325,16 @@ class Dumper:
         if self._dp_ranks is not None and (placed := torch_adapter.place_tensor_parallel(module, self._dp_ranks)):
             self._place_again(*placed)
         adapter, module = _adapter_for(module, self.layout, self._dp_ranks, outputs, batch_dim)
-        if isinstance(adapter, megatron_adapter.MegatronAdapter):
+        megatron = isinstance(adapter, megatron_adapter.MegatronAdapter)
+        if megatron:
             self._bias_update = self._bias_update or expert_bias_update(module)
-            for ddp in adapter.ddps:  # its scaling, and the per-token loss's division a step (reducers.py)
+            for ddp in adapter.ddps:  # its scaling, the per-token loss's division (reducers.py)
                 self._reducers.watch_megatron(ddp, lambda: self._step_now if self._writing else None)
-        else:  # megatron-core's DDP reduces in finalize_model_grads: its gradients are read at the step's end
-            self._reads.watch(module, self._optimizer_steps)
+        # megatron-core's DDP reduces in finalize_model_grads: read at the block's end, and again as its
+        # optimizer steps, but for the distributed optimizer's, whose clip scales each rank's own shard
+        # of the buffer in place: every rank's read would mix clipped and unclipped shards.
+        if not (megatron and any(map(sharded, adapter.ddps))):
+            self._reads.watch(module, self._optimizer_steps, outputs=not megatron)
 
         def named(path: str) -> str:
             path = adapter.name(path)
@@ -393,7 +398,8 @@ class Dumper:
         dump.json records `n`. A watched torch model's gradients are read when each backward's
         reduction completes instead, before any clip, and again as a torch optimizer steps on them
         (`name#stepped` where they differ: grad_reads.py), so a clip may stand inside the block or
-        after it. End the block before the optimizer step (megatron-core: after
+        after it; a megatron-core model's are read again as its optimizer steps too, unless that
+        optimizer is distributed. End the block before the optimizer step (megatron-core: after
         finalize_model_grads). A block that raises leaves its step out of the dump, with a warning
         (a loop that skips a step after an error goes on); steps do not nest."""
         n = _step_number(n)

@@ -16,11 +16,13 @@ queued, and one queued by a running callback after every other: ours is queued f
 watched model's outputs during backward, and queues the read when it runs. A one-rank model's
 gradients are final at the same point. Elsewhere the reduction is the loop's own (an all_reduce of
 `.grad` after backward): the gradients are read at the end of the step block, as before, and so are
-megatron-core DDP's, which reduces in finalize_model_grads.
+megatron-core DDP's, which reduces in finalize_model_grads; both are read again as the optimizer steps.
 
 As the optimizer steps on them: torch.optim's global step pre-hook, the first after the step block
-(an optimizer stepped inside the block steps on what the block's end reads). A loop without a torch
-optimizer is read at the block's end.
+(an optimizer stepped inside the block steps on what the block's end reads). megatron-core's
+optimizers step a torch optimizer inside theirs, after their own clip: a clip of main_grad the loop
+writes after the block is seen there, at its own step. A loop without a torch optimizer is read at
+the block's end.
 
 Compared: a fingerprint of every gradient this rank holds (its sum and sum of squares in float64; a
 scale other than 1 moves both), one read-back a read. Where the rank's gradients changed, every one
@@ -33,9 +35,11 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from megalign.capture.coverage import collective_device
 from megalign.capture.dtensor import is_dtensor
 from megalign.dump.format import STEPPED
 
@@ -53,6 +57,7 @@ class GradReads:
         self._handles: list = []
         self._queued = False
         self.awaiting = False  # a written step ended whose optimizer has not stepped yet
+        self._together = False  # a model whose gradients the ranks read together is watched (_anywhere)
         self._begin()
 
     def _begin(self) -> None:
@@ -61,15 +66,19 @@ class GradReads:
 
     @property
     def watching(self) -> bool:
-        """Whether a torch model is watched (megatron-core's are read at the step's end alone)."""
-        return len(self._handles) > 1
+        """Whether a model is watched: its gradients are read by these reads, not at the block's end alone."""
+        return bool(self._handles)
 
-    def watch(self, module: torch.nn.Module, on_optimizer: Callable[[], None]) -> None:
-        """Read after every backward through `module`'s outputs; `on_optimizer()` before any torch
-        optimizer steps."""
+    def watch(self, module: torch.nn.Module, on_optimizer: Callable[[], None], outputs: bool = True) -> None:
+        """`on_optimizer()` before any torch optimizer steps; with `outputs`, a read after every
+        backward through `module`'s outputs (megatron-core's DDP reduces in finalize_model_grads,
+        inside the step block: its gradients are read at the block's end)."""
         if not self._handles:
             self._handles.append(register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: on_optimizer()))
-        self._handles.append(module.register_forward_hook(self._on_outputs))
+        if outputs:
+            self._handles.append(module.register_forward_hook(self._on_outputs))
+        else:
+            self._together = True
 
     def begin_step(self) -> None:
         self._begin()
@@ -88,11 +97,21 @@ class GradReads:
         """The gradients as they are now, written where they differ from the last written."""
         now = _fingerprint(self._grads())
         last = (self._stepped or self._reduced)[1]
-        if _same(now, last):
+        if not self._anywhere(not _same(now, last)):
             return
         if self._stepped is not None:
             self._discard(self._stepped[0])
-        self._stepped = None if _same(now, self._reduced[1]) else (self._record(STEPPED), now)
+        self._stepped = (self._record(STEPPED), now) if self._anywhere(not _same(now, self._reduced[1])) else None
+
+    def _anywhere(self, differ: bool) -> bool:
+        """Whether the gradients differ on this rank, or, where the ranks read them together (a
+        megatron model's TP ranks decide each gradient's presence over their group), on any rank:
+        a clip by each rank's own shard changes one rank's and not another's."""
+        if not self._together or not dist.is_initialized() or dist.get_world_size() == 1:
+            return differ
+        flag = torch.tensor([int(differ)], device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def remove(self) -> None:
         for handle in self._handles:

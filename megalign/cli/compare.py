@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -172,22 +173,26 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging, t
     except UserError as e:
         fail(str(e), e.exit_code)
     report, findings = compared.report, compared.findings
+    fmt = resolve_format(judging.fmt)
+    # In a terminal the lines around the table wrap between words, at its width; elsewhere each stays
+    # one line, whole, for grep and for a reader of any width.
+    say = functools.partial(console.print, highlight=False, soft_wrap=fmt != "table")
     with reader_may_leave():
         for side, path, source in (("A", a, report.a), ("B", b, report.b), ("R", reference, compared.reference)):
             if source is not None:
-                console.print(f"[bold]{side}[/] {shown(str(path))}: {shown(source.description)}"
-                              + (" (the reference)" if side == "R" else ""), highlight=False, soft_wrap=True)
+                say(f"[bold]{side}[/] {shown(str(path))}: {shown(source.description)}"
+                    + (" (the reference)" if side == "R" else ""))
         for line in report.dtype_lines():
-            console.print(line, highlight=False, soft_wrap=True)
+            say(line)
         console.print()
         if table:
             print_table(COLUMNS, [_cells(row, row.index == report.first_divergence) for row in report.rows],
-                        resolve_format(judging.fmt), highlight=report.first_divergence, narrowing=NARROWING)
+                        fmt, highlight=report.first_divergence, narrowing=NARROWING)
             console.print()
         for line in report.summary_lines():
-            console.print(_markup(line), highlight=False, soft_wrap=True)
+            say(_markup(line))
         if table and stats_divergence(report) is not None:
-            console.print(_zoom_hint(report), highlight=False, soft_wrap=True)
+            say(_zoom_hint(report))
         if findings:
             print_rollout(findings, judging.fmt)
         sys.stdout.flush()  # a closed pipe shows here, not at exit

@@ -104,6 +104,9 @@ class Entry:
     # Its seq_dim holds the batch's one packed row, with no batch dim (sglang's THD `t`): lined up as
     # that row (lineup.py).
     packed: bool = False
+    # The rows it was mapped to real tokens by (lineup.py): its tensor is then [tokens, ...], their
+    # tokens in order, and a DP rank's rows are a run of tokens (rank_rows.py).
+    lined_up: Optional[list[BatchRow]] = None
 
 
 @dataclass

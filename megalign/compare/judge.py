@@ -15,7 +15,8 @@ Value), nothing is read from a file. The rules of judge_pair, in the order they 
 - with a reference's values of the same shape: its verdict instead of the threshold (reference.py);
 - without one, where the default threshold applies: the scale check (scale.py), FAIL when off: a
   factor that explains the difference (removing it leaves rounding), noted as `rescaled`;
-A failing row whose difference sits in one DP rank's rows only says so (rank_rows.py).
+A failing row whose difference sits in one DP rank's rows only says so, and a failing or misshapen one
+where a DP rank's rows repeat another rank's (rank_rows.py).
 judge_kinds then fails the tensors of a kind rescaled as a whole, or of a pool of small ones.
 """
 
@@ -32,7 +33,7 @@ from megalign.compare import reference
 from megalign.compare.entries import Value
 from megalign.compare.metrics import (StatsMetrics, TensorMetrics, logprob_metrics, metrics_of, routing_metrics,
                                       sketch_metrics, stats_metrics, tensor_metrics)
-from megalign.compare.rank_rows import RankRows, only_rank
+from megalign.compare.rank_rows import RankRows, only_rank, repeated_rank
 from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                       UNVERIFIABLE, Row, Verdict)
 from megalign.compare.scale import KindScale, SmallScale, check_kinds, check_scale, check_small, explained
@@ -86,6 +87,9 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
         return v
     if list(x.shape) != list(y.shape):
         v.status = SHAPE_MISMATCH
+        if rows is not None:
+            split = y if rows.side == "B" else x
+            _note_repeated(v, split, rows, rules.thresholds.for_tensor(kind, name, precision, split.shape))
         return v
     threshold = rules.thresholds.for_tensor(kind, name, precision, x.shape)
     replicas_disagree = _judge_replicas(v, x, y, threshold)
@@ -117,9 +121,18 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
     strict = rules.strict_nonfinite and v.nonfinite_in_both
     v.status = FAIL if diverged or m.nonfinite_mismatch or replicas_disagree or strict else PASS
     if v.status == FAIL and rows is not None and v.threshold is not None and x.tensor is not None and \
-            y.tensor is not None and (rank := only_rank(x.tensor, y.tensor, rows, v.threshold)) is not None:
+            y.tensor is not None and not _note_repeated(v, y if rows.side == "B" else x, rows, v.threshold) and \
+            (rank := only_rank(x.tensor, y.tensor, rows, v.threshold)) is not None:
         v.notes.append(rows.note(rank))
     return v
+
+
+def _note_repeated(v: Verdict, split: Value, rows: RankRows, threshold: float) -> bool:
+    """Notes a DP rank that holds another rank's rows (rank_rows.repeated_rank); whether one does."""
+    repeated = repeated_rank(split.tensor, rows, threshold)
+    if repeated is not None:
+        v.notes.append(rows.repeat_note(*repeated))
+    return repeated is not None
 
 
 def judge_one_sided(in_a: bool, shape: list[int], dtype: str, why: Optional[str],

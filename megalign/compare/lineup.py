@@ -96,7 +96,7 @@ def _line_up(entry: Entry, rows: list[BatchRow], sides: list[tuple[list[BatchRow
         if entry.shape is not None:
             rest = [size for dim, size in enumerate(entry.shape) if dim not in (entry.batch_dim, entry.seq_dim)]
             shape = [sum(sum(row.lengths) for row in rows), *rest]
-        return replace(entry, load=load, shape=shape, nbytes=None)
+        return replace(entry, load=load, shape=shape, nbytes=None, lined_up=rows)
     if entry.seq_dim is not None:
         return replace(entry, apart=APART)
     return entry

@@ -23,6 +23,7 @@ from megalign.compare.kind_choice import KindChoice
 from megalign.compare.lineup import line_up
 from megalign.compare.objective import on_objective_scale
 from megalign.compare.matching import Pair, match_entries
+from megalign.compare.rank_rows import unname_after_parameters_differ
 from megalign.compare.records import NOT_REASSEMBLABLE, SKIPPED, Allowances, Report, Row, Summary
 from megalign.compare.reference import check_reference
 from megalign.compare.rollout_findings import RolloutFindings, find
@@ -88,6 +89,7 @@ def compare_sources(a: Source, b: Source, thresholds: Thresholds, name_filter: O
                   tokens=_input(a, b, "tokens"), loss_mask=_input(a, b, "loss_mask"))
     rows = Execution(a, b, pairs, rules, reference, missable).rows(workers or os.cpu_count() or 1)
     _skip(rows, skippable)
+    unname_after_parameters_differ(rows)
     rescaled, small = judge_kinds(rows)
     first = next((row.index for row in rows if row.failing), None)
     report = Report(a=a, b=b, rows=rows, summary=Summary.of(rows, first, rescaled, small), first_divergence=first,

@@ -1,24 +1,31 @@
 """Which DP rank's rows of a batch-split tensor differ, where the difference sits in one rank's only.
 
 A tensor split over DP ranks along its batch dim holds each rank's rows in a block of its own (the
-shard plan places them: plan.py). Where one block differs and the others agree to rounding, the cause
-is that rank's own: its random state (dropout left on) or its data (two ranks on one shard), and the
-row says which rank. The blocks are read from the side split over more DP ranks (B on a tie).
+shard plan places them: plan.py; a tensor lined up by its real tokens, lineup.py, holds them as a run
+of tokens). Where one block differs and the others agree to rounding, the cause is that rank's own:
+its random state (dropout left on) or its data, and the row says which rank. Where a rank's block
+repeats another rank's, the two were fed one shard of data: said even where the shapes differ (with
+uneven rows, the repeated rows hold another count of real tokens). The blocks are read from the side
+split over more DP ranks (B on a tie). Once parameters or their gradients differ, every rank's rows
+differ at the steps after for that cause, whatever each rank's own: no rank is named there.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from megalign.compare.matching import Pair
 from megalign.compare.metrics import tensor_metrics
 from megalign.compare.plan import Unassemblable, make_plan
+from megalign.dump.format import Kind
 from megalign.dump.layout import Layout
 
 CAUSES = "random state, data sharding?"
+SAME_SHARD = "data sharding?"
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,9 @@ class RankRows:
     def note(self, rank: int) -> str:
         return f"only {self.side}'s DP rank {rank} rows differ ({CAUSES})"
 
+    def repeat_note(self, rank: int, other: int) -> str:
+        return f"{self.side}'s DP rank {rank} holds the rows of its DP rank {other} ({SAME_SHARD})"
+
 
 def rank_rows(pair: Pair, layout_a: Optional[Layout], layout_b: Optional[Layout]) -> Optional[RankRows]:
     """The blocks of the pair's side split over more DP ranks; None where neither side is split over DP."""
@@ -39,8 +49,19 @@ def rank_rows(pair: Pair, layout_a: Optional[Layout], layout_b: Optional[Layout]
     return max(reversed(found), key=lambda rows: len(rows.blocks), default=None)
 
 
+def unname_after_parameters_differ(rows: Sequence) -> None:
+    """Takes the note that one rank's rows differ off every row (records.Row, which imports this
+    module) after a failing parameter or parameter gradient, the rows in the order of the
+    computation: a step's parameters come first, its parameter gradients last."""
+    differ = False
+    for row in rows:
+        if differ:
+            row.notes = [note for note in row.notes if not note.endswith(f"rows differ ({CAUSES})")]
+        differ = differ or (row.kind in (Kind.PARAM, Kind.PARAM_GRAD) and row.failing)
+
+
 def is_rank_note(note: str) -> bool:
-    return note.endswith(f"rows differ ({CAUSES})")
+    return note.endswith((f"rows differ ({CAUSES})", f"({SAME_SHARD})"))
 
 
 def only_rank(x: torch.Tensor, y: torch.Tensor, rows: RankRows, threshold: float) -> Optional[int]:
@@ -51,6 +72,21 @@ def only_rank(x: torch.Tensor, y: torch.Tensor, rows: RankRows, threshold: float
             if not tensor_metrics(x.narrow(rows.dim, start, stop - start),
                                   y.narrow(rows.dim, start, stop - start)).rel_diff <= threshold]
     return over[0] if len(over) == 1 else None
+
+
+def repeated_rank(tensor: Optional[torch.Tensor], rows: RankRows, threshold: float) -> Optional[tuple[int, int]]:
+    """(rank, other): the first DP rank whose rows equal an earlier rank's to `threshold`, or None."""
+    if tensor is None or tensor.dim() <= rows.dim or rows.blocks[-1][2] != tensor.shape[rows.dim]:
+        return None
+    seen: dict[int, torch.Tensor] = {}
+    for rank, start, stop in rows.blocks:
+        block = tensor.narrow(rows.dim, start, stop - start)
+        for other, earlier in seen.items():
+            if earlier.shape == block.shape and bool(block.any()) and \
+                    tensor_metrics(earlier, block).rel_diff <= threshold:
+                return rank, other
+        seen[rank] = block
+    return None
 
 
 def _blocks(side: str, entry, layout: Optional[Layout]) -> Optional[RankRows]:
@@ -68,4 +104,11 @@ def _blocks(side: str, entry, layout: Optional[Layout]) -> Optional[RankRows]:
         for run in dict(piece.runs).get(split.dim, ()):
             blocks.setdefault(piece.coords.dp_rank, (piece.coords.dp_rank, run.start, run.start + run.length))
     ordered = tuple(sorted(blocks.values(), key=lambda block: block[1]))
-    return RankRows(side=side, dim=split.dim, blocks=ordered) if len(ordered) > 1 else None
+    if len(ordered) < 2:
+        return None
+    if entry.lined_up is not None:
+        if split.dim != entry.batch_dim:
+            return None
+        ends = [0, *itertools.accumulate(sum(row.lengths) for row in entry.lined_up)]
+        return RankRows(side=side, dim=0, blocks=tuple((rank, ends[start], ends[stop]) for rank, start, stop in ordered))
+    return RankRows(side=side, dim=split.dim, blocks=ordered)

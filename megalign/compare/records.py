@@ -100,7 +100,8 @@ class Row(Verdict, _Place):
 
     def cells(self, first_divergence: bool) -> list[str]:
         """Its line of the table: #, kind, name, shape, rel diff, max abs diff @ index, thr, status, note."""
-        status = self.status.upper() + (" ◀ first" if first_divergence else "")
+        # SHAPE MISMATCH, NOT REASSEMBLABLE: words a narrow terminal's table folds between
+        status = self.status.upper().replace("_", " ") + (" ◀ first" if first_divergence else "")
         return [str(self.index), _KIND_LABEL.get(self.kind, self.kind), self.name, self._shape(),
                 *self._metric_cells(), "ref" if self.reference else _num(self.threshold), status,
                 "; ".join(self._notes())]

@@ -213,12 +213,12 @@ def test_stats_only_dumps_compare_by_summaries(dump):
 
 def test_two_dp_ranks_on_one_data_shard_are_named_by_rank(dump, tmp_path, monkeypatch):
     """DP=2 against DP=1 agrees; the twin, DP rank 1 reading rank 0's rows (MEGALIGN_FAULT=same-rows@1),
-    fails first at the tokens, and the row and the summary say that only rank 1's rows differ, at 80
+    fails first at the tokens, and the row and the summary say that rank 1 holds rank 0's rows, at 80
     columns. Leaving the inputs out (--skip-kind), it is first seen at the first activation."""
     assert invoke("compare", dump("backward"), dump("backward", "--dp", "2")).exit_code == 0
     monkeypatch.setenv("MEGALIGN_FAULT", "same-rows@1")
     assert invoke("backward", "--dp", "2", "--out", tmp_path / "same").exit_code == 0
-    said = "only B's DP rank 1 rows differ (random state, data sharding?)"
+    said = "B's DP rank 1 holds the rows of its DP rank 0 (data sharding?)"
     result = invoke("compare", dump("backward"), tmp_path / "same", "--format", "table", env={"COLUMNS": "80"})
     assert result.exit_code == 1, result.output
     lines = result.output.splitlines()

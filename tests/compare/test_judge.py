@@ -13,9 +13,9 @@ import torch
 from megalign.compare.entries import ReplicaGap, Value
 from megalign.compare.judge import Rules, judge_apart, judge_kinds, judge_one_sided, judge_pair
 from megalign.compare.metrics import LogprobMetrics, StatsMetrics, pair_sums, tensor_metrics
-from megalign.compare.rank_rows import RankRows
+from megalign.compare.rank_rows import RankRows, unname_after_parameters_differ
 from megalign.compare.records import (APART, BY_OP_MAP, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
-                                      UNVERIFIABLE, Row, Summary)
+                                      UNVERIFIABLE, Row, Summary, Verdict)
 from megalign.compare.thresholds import Thresholds
 from megalign.dump.stats import TensorStats
 
@@ -232,6 +232,41 @@ def test_a_difference_in_one_dp_rank_s_rows_names_the_rank(ranks, note):
         y[:, 2 * rank:2 * rank + 2] = _dropout(x[:, 2 * rank:2 * rank + 2])
     v = judge_pair("activation", "t", value(x), value(y), FP32, rows=HALVES)
     assert v.status == FAIL and [n for n in v.notes if "rows differ" in n] == ([note] if note else [])
+
+
+TOKENS = RankRows(side="B", dim=0, blocks=((0, 0, 5), (1, 5, 10)))  # lined up: [tokens, hidden], 5 a DP rank
+
+
+@pytest.mark.parametrize("repeats", [True, False])
+def test_a_dp_rank_holding_another_rank_s_rows_is_named_even_where_the_shapes_differ(repeats):
+    """Two ranks fed one shard of uneven rows: B holds rank 0's 5 real tokens twice, A the batch's 7;
+    the twin, B's ranks on rows of their own, names no rank."""
+    batch = randn(10, 16, seed=1)  # the rows each rank should take
+    y = batch.clone()
+    y[5:] = batch[:5] if repeats else _dropout(batch[5:])
+    v = judge_pair("activation", "t", value(randn(7, 16)), value(y), FP32, rows=TOKENS)
+    assert v.status == SHAPE_MISMATCH
+    assert v.notes == ([TOKENS.repeat_note(1, 0)] if repeats else [])
+    assert TOKENS.repeat_note(1, 0) == "B's DP rank 1 holds the rows of its DP rank 0 (data sharding?)"
+    # of one shape, the repeated rows are said instead of only rank 1's differing
+    v = judge_pair("activation", "t", value(batch), value(y), FP32, rows=TOKENS)
+    assert v.status == FAIL and v.notes == [TOKENS.repeat_note(1, 0) if repeats else TOKENS.note(1)]
+
+
+@pytest.mark.parametrize("params_differ", [True, False])
+def test_one_rank_is_named_at_a_later_step_only_while_the_parameters_agree(params_differ):
+    """Dropout on rank 1 fails step 0's reduced gradients, hence step 1's parameters: then every rank's
+    rows differ at step 1 for that cause, and naming rank 1 there would mislead. The rows that repeat
+    another rank's still do."""
+    one_rank, repeated = HALVES.note(1), HALVES.repeat_note(1, 0)
+    failed = Verdict(status=FAIL, notes=[one_rank])
+    rows = [Row.of(0, "activation", "step0/drop", 0, failed),
+            Row.of(1, "param_grad", "step0/w", 0, Verdict(status=FAIL if params_differ else PASS)),
+            Row.of(2, "param", "step1/w", 0, Verdict(status=PASS)),
+            Row.of(3, "activation", "step1/drop", 0, Verdict(status=FAIL, notes=[one_rank])),
+            Row.of(4, "activation", "step1/embed", 0, Verdict(status=SHAPE_MISMATCH, notes=[repeated]))]
+    unname_after_parameters_differ(rows)
+    assert [row.notes for row in rows] == [[one_rank], [], [], [] if params_differ else [one_rank], [repeated]]
 
 
 def test_a_threshold_the_user_sets_is_judged_alone_without_the_scale_check():

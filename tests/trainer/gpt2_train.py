@@ -13,7 +13,8 @@ clip_grad_norm_, three steps; rows right-padded with uneven lengths, and an unev
 Planted bugs, each a classic: `rank-mean`, each rank's own mean over its tokens; `unscaled`, the
 sum over the global count without the world size (every gradient divided by it); `same-shard`,
 every rank on the first rank's rows; `local-clip` (FSDP2), the clipping norm of the rank's own
-shard of the gradients. `--clip inside` clips inside the dumper's step block, `after` after it.
+shard of the gradients; `dropout`, GPT2Config's dropout left on (at world 1 as well: each rank draws
+the first rank's masks). `--clip inside` clips inside the dumper's step block, `after` after it.
 """
 
 import argparse
@@ -31,13 +32,14 @@ import megalign
 parser = argparse.ArgumentParser()
 parser.add_argument("--wrap", choices=["ddp", "fsdp2"], required=True)
 parser.add_argument("--clip", choices=["inside", "after"], default="after")
-parser.add_argument("--bug", choices=["rank-mean", "unscaled", "same-shard", "local-clip"])
+parser.add_argument("--bug", choices=["rank-mean", "unscaled", "same-shard", "local-clip", "dropout"])
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
+dropout = {} if args.bug == "dropout" else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 config = GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
-                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                    **dropout)
 torch.manual_seed(0)
 model = GPT2LMHeadModel(config)
 if args.wrap == "ddp":

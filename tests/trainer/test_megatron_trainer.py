@@ -3,7 +3,8 @@ distributed optimizer, Adam, its own loss, three steps) dumped with `megalign.Du
 `watch(model)` under torchrun on gloo, compared with the CLI: CP=2 agrees with CP=1, and TP=2 with
 sequence parallelism with TP=1, at every dumped step, activations included, with nothing declared;
 the classic CP bug (each rank's loss divided by its own token count) is caught at its first tensor,
-and a gradient clip whose norm is computed on the rank's own TP shard at the next step's parameters.
+and a gradient clip after the step block whose norm is computed on the rank's own TP shard at its own
+step's gradients as the optimizer takes them (`#stepped`).
 Tokens from half the vocabulary at TP=2 (a vocabulary shard no token reaches) and at PP=2 (megatron-core's
 pipeline schedule) agree with one process; its MoE model at EP=2 agrees with EP=1. With megatron's own
 loss convention (the schedule and finalize_model_grads divide by the step's token count) CP=2 and
@@ -12,12 +13,13 @@ DP=2 agree with one process, and the classic CP bug in that form fails at its fi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
 import megalign
-from tests.conftest import invoke
+from tests.conftest import assert_whole, at_80_columns, invoke
 from tests.trainer.torchruns import dump_all, finish, start
 
 SCRIPT = Path(__file__).with_name("megatron_train.py")
@@ -106,6 +108,12 @@ def test_each_cp_ranks_own_token_count_fails_at_the_first_gradient(megatron_loss
     assert "first divergence: activation_grad step0/output_layer\n" in result.output
 
 
+@pytest.mark.parametrize("run", ["cp2", "dp2", "cp2_local_mean"])
+def test_each_megatron_loss_compare_reads_whole_at_80_columns(megatron_loss_dumps, run, tmp_path):
+    """The sides' lines say each step's divisor (act grads /19, /19): wrapped between words."""
+    assert_whole(*at_80_columns(megatron_loss_dumps["one"], megatron_loss_dumps[run], tmp_path / "report.jsonl"))
+
+
 CLIP = ("--clip", "1.5")  # the script's own clip: at both dumped steps some of the norms it sees exceed it
 
 
@@ -135,13 +143,21 @@ def test_tp2_with_sequence_parallelism_equals_tp1_activations_included(tp_dumps)
         assert f"act         step{step}/decoder.layers.1.mlp.linear_fc2#input" in result.output
         assert f"act_grad    step{step}/embedding.word_embeddings" in result.output
         assert f"param_grad  step{step}/output_layer.weight" in result.output
-    assert "198 compared, 198 passed, 0 failed\n" in result.output
+        assert f"param_grad  step{step}/output_layer.weight#stepped" in result.output  # as the clip left it
+    # 20 parameters' gradients a step as reduced and again as the optimizer stepped on them, clipped
+    assert "238 compared, 238 passed, 0 failed\n" in result.output
 
 
-def test_a_clip_by_the_local_shards_norm_is_caught_at_the_next_steps_parameters(tp_dumps):
+def test_a_clip_by_the_local_shards_norm_after_the_step_block_is_caught_at_its_own_steps_gradients(tp_dumps):
+    """Before, megatron-core's gradients were read at the block's end alone: the clip after it showed
+    at step 2's parameters. Now the reduced gradients agree, and those megatron's optimizer steps on
+    fail at step 1. Each TP rank clips by its own norm, so one rank's gradients may change and not
+    the other's: the ranks decide together whether to write them again, or the TP collectives of
+    the read would not match (gloo aborted)."""
     result = invoke("compare", tp_dumps["tp1"], tp_dumps["tp2_sp_local_clip"])
     assert result.exit_code == 1, result.output
-    assert "first divergence: param step2/decoder.layers.0.input_layernorm.bias\n" in result.output
+    assert re.search(r"param_grad +step1/embedding.word_embeddings.weight +64x32 .* PASS", result.output)
+    assert "first divergence: param_grad step1/embedding.word_embeddings.weight#stepped\n" in result.output
 
 
 @pytest.fixture(scope="module")

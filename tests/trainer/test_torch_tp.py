@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import megalign
-from tests.conftest import invoke
+from tests.conftest import assert_whole, at_80_columns, invoke
 from tests.trainer.torchruns import dump_all
 
 SCRIPT = Path(__file__).with_name("tp_train.py")
@@ -61,3 +61,9 @@ def test_clipping_by_the_local_norm_is_caught_at_its_own_steps_gradients(dumps):
     result = invoke("compare", dumps["tp1"], dumps["tp2_bug"])
     assert result.exit_code == 1, result.output
     assert "first divergence: param_grad step0/embed.weight#stepped\n" in result.output
+
+
+@pytest.mark.parametrize("two", ["tp2", "tp2_bug"])
+def test_each_compare_reads_whole_at_80_columns(dumps, two, tmp_path):
+    assert_whole(*at_80_columns(dumps["tp1"], dumps[two], tmp_path / "report.jsonl"))
+
