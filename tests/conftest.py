@@ -7,6 +7,7 @@ made once, keyed by the run it makes: its options as `megalign MODE` reads them,
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Optional
 
 import pytest
 import torch
+from filelock import FileLock  # torch's own dependency
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -92,17 +94,29 @@ def run_key(mode: str, *args: str) -> RunConfig:
     return replace(parse_run(mode, [str(a) for a in args]), out=None)
 
 
+def shared_folder(tmp_path_factory) -> Path:
+    """A folder every pytest-xdist worker of this run sees (their basetemps' parent is the run's own),
+    so that a dump two workers' tests read is made once; without xdist, this session's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def dump(tmp_path_factory):
-    """`dump("backward", "--cp", "2")` -> the folder of that run's dump, made once per session."""
+    """`dump("backward", "--cp", "2")` -> the folder of that run's dump, made once per test run: the
+    first worker to ask makes it (under a lock), the others wait and read it."""
     made: dict[RunConfig, Path] = {}
+    folder = shared_folder(tmp_path_factory) / "dumps"
+    folder.mkdir(exist_ok=True)
 
     def make(*args: str) -> Path:
         key = run_key(*args)
         if key not in made:
-            out = tmp_path_factory.mktemp("dump") / "out"
-            result = invoke(*args, "--out", out)
-            assert result.exit_code == 0, result.output
+            out = folder / hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+            with FileLock(f"{out}.lock"):
+                if not out.is_dir():  # a failed run leaves none: the next asker runs it again
+                    result = invoke(*args, "--out", out)
+                    assert result.exit_code == 0, result.output
             made[key] = out
         return made[key]
 
