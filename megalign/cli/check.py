@@ -99,6 +99,11 @@ def check(
                 for name, (option, extra) in runs.items()}
 
     try:
+        if zoom and reference:
+            # The stats-only pass would judge A and B against each other alone: it could pass where
+            # the fp64 reference fails them, and the zoom would never be taken.
+            raise UserError("--zoom does not take --reference: its stats-only pass has no values to judge against "
+                            "the fp64 run; check with one of them")
         check_judging(judging, [out])
         argv = commands(first, (STATS_ONLY[0],) if zoom else ())
     except UserError as e:
