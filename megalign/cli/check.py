@@ -28,7 +28,7 @@ from typer.exceptions import TyperException
 
 from megalign.compare.metrics import TensorMetrics
 from megalign.compare.records import Report
-from megalign.compare.zoom import zoom_around
+from megalign.compare.zoom import unlined, zoom_around
 from megalign.errors import UserError
 from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, Kinds, NoColor, Plot,
                                   SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging, exit_code,
@@ -110,6 +110,9 @@ def check(
         fail(str(e), e.exit_code)
     _launch(argv)
     compared = run_compare(*_dumps(first, reference), judging, table=not zoom)
+    if zoom and (apart := unlined(compared.rows)):
+        fail(f"--zoom: the runs lay out their rows differently (packed against padded, or padded to other lengths), "
+             f"and statistics cannot line up their {apart} token tensors; check without --zoom", 2)
     if not zoom or compared.summary.ok:
         if zoom:
             console.print("the stats-only pass agrees: nothing to zoom into, no second pass", highlight=False)
