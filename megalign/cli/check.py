@@ -32,7 +32,7 @@ from megalign.compare.zoom import unlined, zoom_around
 from megalign.errors import UserError
 from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, Kinds, NoColor, Plot,
                                   SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging, exit_code,
-                                  run_compare)
+                                  run_compare, speaker)
 from megalign.cli.render import console, fail, use_color
 from megalign.cli.run import parse_run
 from megalign.options import Mode, Output, RunConfig, flag
@@ -113,18 +113,18 @@ def check(
     if zoom and (apart := unlined(compared.rows)):
         fail(f"--zoom: the runs lay out their rows differently (packed against padded, or padded to other lengths), "
              f"and statistics cannot line up their {apart} token tensors; check without --zoom", 2)
+    say = speaker(fmt)
     if not zoom or compared.summary.ok:
         if zoom:
-            console.print("the stats-only pass agrees: nothing to zoom into, no second pass", highlight=False)
+            say("the stats-only pass agrees: nothing to zoom into, no second pass")
         raise typer.Exit(exit_code(compared))
     around = zoom_around(compared)
-    console.print(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first "
-                  "divergence", highlight=False, soft_wrap=True)
+    say(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first divergence")
     _launch(commands(out / ZOOM_PASS, (DUMP_ONLY[0], str(around.rule))))
     zoomed = run_compare(*_dumps(out / ZOOM_PASS, reference), judging)
-    console.print(around.line(), highlight=False, soft_wrap=True)
+    say(around.line())
     if zoomed.first_divergence is not None:
-        console.print(_in_full(zoomed), highlight=False, soft_wrap=True)
+        say(_in_full(zoomed))
     raise typer.Exit(exit_code(zoomed))
 
 
