@@ -89,7 +89,7 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
         v.status = SHAPE_MISMATCH
         if rows is not None:
             split = y if rows.side == "B" else x
-            _note_repeated(v, split, rows, rules.thresholds.for_tensor(kind, name, precision, split.shape))
+            _note_repeated(v, x, y, rows, rules.thresholds.for_tensor(kind, name, precision, split.shape))
         return v
     threshold = rules.thresholds.for_tensor(kind, name, precision, x.shape)
     replicas_disagree = _judge_replicas(v, x, y, threshold)
@@ -121,15 +121,16 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
     strict = rules.strict_nonfinite and v.nonfinite_in_both
     v.status = FAIL if diverged or m.nonfinite_mismatch or replicas_disagree or strict else PASS
     if v.status == FAIL and rows is not None and v.threshold is not None and x.tensor is not None and \
-            y.tensor is not None and not _note_repeated(v, y if rows.side == "B" else x, rows, v.threshold) and \
+            y.tensor is not None and not _note_repeated(v, x, y, rows, v.threshold) and \
             (rank := only_rank(x.tensor, y.tensor, rows, v.threshold)) is not None:
         v.notes.append(rows.note(rank))
     return v
 
 
-def _note_repeated(v: Verdict, split: Value, rows: RankRows, threshold: float) -> bool:
-    """Notes a DP rank that holds another rank's rows (rank_rows.repeated_rank); whether one does."""
-    repeated = repeated_rank(split.tensor, rows, threshold)
+def _note_repeated(v: Verdict, x: Value, y: Value, rows: RankRows, threshold: float) -> bool:
+    """Notes a DP rank of rows.side that holds another rank's rows (rank_rows.repeated_rank); whether one does."""
+    split, unsplit = (y, x) if rows.side == "B" else (x, y)
+    repeated = repeated_rank(split.tensor, unsplit.tensor, rows, threshold)
     if repeated is not None:
         v.notes.append(rows.repeat_note(*repeated))
     return repeated is not None

@@ -253,6 +253,22 @@ def test_a_dp_rank_holding_another_rank_s_rows_is_named_even_where_the_shapes_di
     assert v.status == FAIL and v.notes == [TOKENS.repeat_note(1, 0) if repeats else TOKENS.note(1)]
 
 
+@pytest.mark.parametrize("batch_repeats", [True, False])
+def test_rows_alike_on_every_rank_by_construction_name_no_rank(batch_repeats):
+    """A learned position embedding's output is the same on every DP rank, and on the other side too:
+    no shard was repeated (before, B's rank 1 was said to hold rank 0's rows). The twin: A's batch
+    holds other rows there, B's ranks repeat one shard. Of one shape and of another (uneven rows)."""
+    positions = randn(5, 16, seed=2)
+    y = torch.cat([positions, positions])
+    off = (positions + 0.1 * randn(5, 16, seed=4)).repeat(2, 1)  # failing, B's ranks alike all the same
+    for a in (y.clone(), y[:7].clone()):
+        if batch_repeats:
+            a[5:] = randn(len(a) - 5, 16, seed=3)
+        v = judge_pair("activation", "t", value(a), value(off), FP32, rows=TOKENS)
+        assert v.status in (FAIL, SHAPE_MISMATCH)
+        assert (TOKENS.repeat_note(1, 0) in v.notes) == batch_repeats, v.notes
+
+
 @pytest.mark.parametrize("params_differ", [True, False])
 def test_one_rank_is_named_at_a_later_step_only_while_the_parameters_agree(params_differ):
     """Dropout on rank 1 fails step 0's reduced gradients, hence step 1's parameters: then every rank's
