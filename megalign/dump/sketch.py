@@ -97,19 +97,17 @@ def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 def device_sketch(x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """The sketch of flat `x` (its rows of len(cols), each at base[r] + cols; both on x's device) with
-    torch's ops, [K] float64, queued without waiting: a row block at a time, each element hashed, its
-    signed value added into its bucket. Eager ops, about twenty kernels a block; a fused kernel is a
-    later step."""
+    torch's ops, [K] float64, queued without waiting: ROWS_AT_ONCE elements at a time, whatever the
+    rows' length (a 1-D tensor is one row), each element hashed, its signed value added into its
+    bucket. Eager ops, about twenty-five kernels a block; a fused kernel is a later step."""
     out = torch.zeros(K, dtype=torch.float64, device=x.device)
-    if x.numel() == 0:
-        return out
-    values = x.reshape(base.numel(), cols.numel())
-    step = max(1, ROWS_AT_ONCE // cols.numel())
-    for start in range(0, base.numel(), step):
-        block = values[start:start + step].double()
-        h = hashes(base[start:start + step, None] + cols[None, :])
+    width = cols.numel()
+    for start in range(0, x.numel(), ROWS_AT_ONCE):
+        block = x[start:start + ROWS_AT_ONCE].double()
+        flat = torch.arange(start, start + block.numel(), device=x.device)
+        h = hashes(base[flat // width] + cols[flat % width])
         signed = torch.where(h < 0, -block, block)
         signed = torch.where(torch.isfinite(block), signed, 0.0)
-        out.index_add_(0, (h & (K - 1)).reshape(-1), signed.reshape(-1))
+        out.index_add_(0, h & (K - 1), signed)
     return out
 

@@ -19,11 +19,13 @@ from megalign.dump.layout import Layout, zigzag_chunks
 from megalign.dump.meta import dump_meta
 from megalign.dump.partial import partial_piece
 from megalign.dump.sharding import Sharding
+from megalign.dump import sketch
 from megalign.dump.sketch import K, device_sketch, encode, rows_and_cols
 from megalign.dump.stats import host_summary, sketch_of
 from megalign.dump.validate import Malformed, check_record
 from megalign.dump.writer import RankWriter
 
+HASHES = sketch.hashes
 LAYOUT = Layout(tp=2, cp=2, dp=2)
 GEN = torch.Generator().manual_seed(0)
 WHOLE = {"col": torch.randn(8, 6, generator=GEN), "row": torch.randn(6, 8, generator=GEN),
@@ -118,6 +120,21 @@ def test_the_host_kernel_and_the_device_ops_agree_over_finite_values(device):
         finite = tensor.double()[torch.isfinite(tensor)]
         assert float(np.square(host).sum()) == pytest.approx(float(finite.square().sum()), rel=4 * math.sqrt(2 / K))
         assert (stats.nan, stats.inf) == ((1, 1) if placed else (0, 0))
+
+
+def test_the_device_ops_take_a_long_row_a_few_elements_at_a_time(monkeypatch):
+    """A big 1-D tensor is one row: blocked by elements, not rows, its temporaries stay ROWS_AT_ONCE
+    long (7 here); the sketch is the same as the host's, for a matrix whose rows a block cuts too."""
+    monkeypatch.setattr(sketch, "ROWS_AT_ONCE", 7)
+    hashed = []
+    monkeypatch.setattr(sketch, "hashes", lambda g: hashed.append(g.numel()) or HASHES(g))
+    for tensor, whole, placed in ((torch.randn(100, generator=GEN), (300,), [torch.arange(150, 250)]),
+                                  (torch.randn(3, 10, generator=GEN), (6, 30), [torch.tensor([0, 5, 2]),
+                                                                               torch.arange(10, 20)])):
+        located = rows_and_cols(whole, placed)
+        assert np.allclose(device_sketch(tensor.reshape(-1), *located).numpy(), host_summary(tensor, *located)[1],
+                           rtol=1e-12, atol=1e-12)
+    assert max(hashed) == 7
 
 
 @pytest.mark.parametrize("sketch", ["not base64!", "AAAA", None])
