@@ -53,12 +53,18 @@ def decode(text: str) -> Optional[np.ndarray]:
     return np.frombuffer(raw, dtype="<f8").astype(np.float64)
 
 
-def combine(sketches: Iterable[np.ndarray]) -> np.ndarray:
-    """The whole's sketch from its pieces' (each at its own positions): their sum."""
+def combine(sketches: Iterable[np.ndarray]) -> Optional[np.ndarray]:
+    """The whole's sketch from its pieces' (each at its own positions): their sum, or None (finite)."""
     total = np.zeros(K, dtype=np.float64)
     for sketch in sketches:
         total += sketch
-    return total
+    return finite(total)
+
+
+def finite(sketch: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """The sketch, or None where a bucket overflowed (an fp64 run's values near 1e308 sum past it): no
+    sketch, rather than a record or a dump the reader rejects; the statistics judge it then."""
+    return sketch if sketch is not None and bool(np.isfinite(sketch).all()) else None
 
 
 def rows_and_cols(whole: tuple[int, ...], where: list[torch.Tensor],

@@ -137,17 +137,28 @@ def test_the_device_ops_take_a_long_row_a_few_elements_at_a_time(monkeypatch):
     assert max(hashed) == 7
 
 
-@pytest.mark.parametrize("sketch", ["not base64!", "AAAA", None])
-def test_a_sketch_that_is_not_k_finite_values_beside_stats_is_malformed(tmp_path, sketch):
-    """validate.py: what is not K float64 values in base64 (None: a NaN among them) is bad input."""
-    writer = RankWriter(tmp_path, RankCoords(rank=0), stats_only=True)
-    writer.add("activation", "x", torch.ones(3), Sharding())
-    writer.close()
-    record = writer.records[0].to_dict()
+@pytest.mark.parametrize("sketch", ["not base64!", "AAAA"])
+def test_a_sketch_that_is_not_k_float64_values_beside_stats_is_malformed(tmp_path, sketch):
+    """validate.py: what is not K float64 values in base64 is bad input."""
+    record = _stats_only_record(tmp_path, torch.ones(3))
     assert check_record(record, "r", tmp_path).sketch is not None
-    if sketch is None:
-        record["sketch"] = encode(np.full(K, math.nan))
-    else:
-        record["sketch"] = sketch
-    with pytest.raises(Malformed, match="sketch must be 128 finite float64 values in base64, beside stats"):
+    record["sketch"] = sketch
+    with pytest.raises(Malformed, match="sketch must be 128 float64 values in base64, beside stats"):
         check_record(record, "r", tmp_path)
+
+
+def test_a_sketch_that_overflowed_is_not_written_and_reads_as_none(tmp_path):
+    """An fp64 run's values near 1e308 sum past float64 in a bucket: the record keeps its statistics
+    without a sketch (before, the reader rejected the whole dump); one written anyway reads as none."""
+    record = _stats_only_record(tmp_path, torch.full((300,), 1e308, dtype=torch.float64))
+    assert "sketch" not in record and check_record(record, "r", tmp_path).stats is not None
+    record = _stats_only_record(tmp_path, torch.ones(3))
+    record["sketch"] = encode(np.full(K, math.nan))
+    assert check_record(record, "r", tmp_path).sketch is None
+
+
+def _stats_only_record(folder: Path, tensor: torch.Tensor) -> dict:
+    writer = RankWriter(folder, RankCoords(rank=0), stats_only=True)
+    writer.add("activation", "x", tensor, Sharding())
+    writer.close()
+    return writer.records[0].to_dict()
