@@ -17,6 +17,11 @@ K = 128: the estimate's relative std is then 12.5% and, for a difference spread 
 and high by one far more rarely (Wilson-Hilferty); a record's sketch is 1 KiB of float64, stored as
 base64 (1.4 KB of manifest). At K = 64 (18%) a factor 2 low comes once in 3,000 tensors: several
 times in one stats-only compare of a large model (1,046 records a step of an 8B model's backward).
+
+A difference confined to a few elements can cancel in one bucket: two swapped elements share a
+bucket and a sign with probability 1/(2K), and the sketch then sees nothing; so do the statistics
+(the norm, mean, min and max stay), so a stats-only PASS is an estimate, not a proof. One element
+changed alone never cancels.
 """
 
 from __future__ import annotations
