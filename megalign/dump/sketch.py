@@ -78,17 +78,17 @@ def rows_and_cols(whole: tuple[int, ...], where: list[torch.Tensor],
     of its columns), int64 on `device`: element (r, c) of the shard (its last dim the columns) is at
     base[r] + cols[c]. `where`: each dim's positions in the whole (placement.positions)."""
     if not where:  # a scalar
-        return tuple(_queued(torch.zeros(1, dtype=torch.int64), device) for _ in range(2))
+        return tuple(queued(torch.zeros(1, dtype=torch.int64), device) for _ in range(2))
     strides = [math.prod(whole[d + 1:]) for d in range(len(whole))]
     base = torch.zeros((), dtype=torch.int64)
     for d in range(len(where) - 1):
         base = base.unsqueeze(-1) + where[d].to(torch.int64) * strides[d]
-    return _queued(base.reshape(-1), device), _queued(where[-1].to(torch.int64), device)
+    return queued(base.reshape(-1), device), queued(where[-1].to(torch.int64), device)
 
 
-def _queued(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` on `device`, from page-locked memory behind the step's kernels: torch copies pageable
-    memory to a GPU by waiting for the whole queue first (stats._queued's rule)."""
+def queued(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device`, the copy queued behind the step's kernels from page-locked memory: torch
+    copies pageable memory to a GPU by waiting for the whole queue first."""
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 

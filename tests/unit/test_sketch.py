@@ -21,7 +21,7 @@ from megalign.dump.partial import partial_piece
 from megalign.dump.sharding import Sharding
 from megalign.dump import sketch
 from megalign.dump.sketch import K, device_sketch, encode, rows_and_cols
-from megalign.dump.stats import host_summary, sketch_of
+from megalign.dump.stats import host_summary, summary_of
 from megalign.dump.validate import Malformed, check_record
 from megalign.dump.writer import RankWriter
 
@@ -93,14 +93,14 @@ def test_shards_sketches_sum_to_the_whole_tensors_sketch(tmp_path):
     got = sketches(write(tmp_path / "placed", placed=True))
     assert set(got) == set(WHOLE)
     for name, whole in WHOLE.items():
-        want = sketch_of(whole)
+        want = summary_of(whole)[1]
         assert np.allclose(got[name], want, rtol=1e-12, atol=1e-12 * np.abs(want).max()), name
 
 
 def test_twin_shards_sketched_at_their_local_positions_do_not_sum_to_the_whole(tmp_path):
     got = sketches(write(tmp_path / "local", placed=False))
     for name in ("col", "row", "fused", "act", "sp"):
-        assert not np.allclose(got[name], sketch_of(WHOLE[name]), rtol=1e-3), name
+        assert not np.allclose(got[name], summary_of(WHOLE[name])[1], rtol=1e-3), name
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
