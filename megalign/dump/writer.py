@@ -278,7 +278,7 @@ def _located(shape: tuple[int, ...], sharding: Sharding, coords: RankCoords, lay
     [2048, 2, 1024] (its runs walked in Python); cached, 1 us. Index vectors over CACHED_INDEXES
     long (a big 1-D tensor's columns) are worked out anew: a cache would hold them, on the device
     too, for the run's life."""
-    small = max(math.prod(shape[:-1]), *shape[-1:]) <= CACHED_INDEXES
+    small = max(math.prod(shape[:-1]), *shape[-1:], 0) <= CACHED_INDEXES
     return (_located_cached if small else _located_cached.__wrapped__)(shape, sharding, coords, layout, bounds,
                                                                          device)
 

@@ -23,6 +23,7 @@ from megalign.dump import sketch
 from megalign.dump.sketch import K, device_sketch, encode, rows_and_cols
 from megalign.dump.stats import host_summary, summary_of
 from megalign.dump.validate import Malformed, check_record
+from megalign.dump import writer as writer_module
 from megalign.dump.writer import RankWriter
 
 HASHES = sketch.hashes
@@ -155,6 +156,16 @@ def test_a_sketch_that_overflowed_is_not_written_and_reads_as_none(tmp_path):
     record = _stats_only_record(tmp_path, torch.ones(3))
     record["sketch"] = encode(np.full(K, math.nan))
     assert check_record(record, "r", tmp_path).sketch is None
+
+
+def test_a_scalar_and_a_long_vector_keep_their_sketches_and_only_short_indexes_are_cached(tmp_path, monkeypatch):
+    """writer._located: index vectors over CACHED_INDEXES are not kept (they would stay for the run's life)."""
+    monkeypatch.setattr(writer_module, "CACHED_INDEXES", 4)
+    writer_module._located_cached.cache_clear()
+    for tensor in (torch.tensor(2.5), torch.randn(5, generator=GEN), torch.randn(2, 3, generator=GEN)):
+        assert np.array_equal(check_record(_stats_only_record(tmp_path, tensor), "r", tmp_path).sketch,
+                              summary_of(tensor)[1])
+    assert writer_module._located_cached.cache_info().currsize == 2  # the scalar's and the [2, 3]'s
 
 
 def _stats_only_record(folder: Path, tensor: torch.Tensor) -> dict:
