@@ -28,11 +28,11 @@ from typer.exceptions import TyperException
 
 from megalign.compare.metrics import TensorMetrics
 from megalign.compare.records import Report
-from megalign.compare.zoom import zoom_around
+from megalign.compare.zoom import unlined, zoom_around
 from megalign.errors import UserError
 from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, Kinds, NoColor, Plot,
                                   SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging, exit_code,
-                                  run_compare)
+                                  run_compare, speaker)
 from megalign.cli.render import console, fail, use_color
 from megalign.cli.run import parse_run
 from megalign.options import Mode, Output, RunConfig, flag
@@ -99,24 +99,32 @@ def check(
                 for name, (option, extra) in runs.items()}
 
     try:
+        if zoom and reference:
+            # The stats-only pass would judge A and B against each other alone: it could pass where
+            # the fp64 reference fails them, and the zoom would never be taken.
+            raise UserError("--zoom does not take --reference: its stats-only pass has no values to judge against "
+                            "the fp64 run; check with one of them")
         check_judging(judging, [out])
         argv = commands(first, (STATS_ONLY[0],) if zoom else ())
     except UserError as e:
         fail(str(e), e.exit_code)
     _launch(argv)
     compared = run_compare(*_dumps(first, reference), judging, table=not zoom)
+    if zoom and (apart := unlined(compared.rows)):
+        fail(f"--zoom: the runs lay out their rows differently (packed against padded, or padded to other lengths), "
+             f"and statistics cannot line up their {apart} token tensors; check without --zoom", 2)
+    say = speaker(fmt)
     if not zoom or compared.summary.ok:
         if zoom:
-            console.print("the stats-only pass agrees: nothing to zoom into, no second pass", highlight=False)
+            say("the stats-only pass agrees: nothing to zoom into, no second pass")
         raise typer.Exit(exit_code(compared))
     around = zoom_around(compared)
-    console.print(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first "
-                  "divergence", highlight=False, soft_wrap=True)
+    say(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first divergence")
     _launch(commands(out / ZOOM_PASS, (DUMP_ONLY[0], str(around.rule))))
     zoomed = run_compare(*_dumps(out / ZOOM_PASS, reference), judging)
-    console.print(around.line(), highlight=False, soft_wrap=True)
+    say(around.line())
     if zoomed.first_divergence is not None:
-        console.print(_in_full(zoomed), highlight=False, soft_wrap=True)
+        say(_in_full(zoomed))
     raise typer.Exit(exit_code(zoomed))
 
 

@@ -7,7 +7,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Callable, Literal, Optional
 
 import typer
 
@@ -161,6 +161,12 @@ def exit_code(report: Report) -> int:
     return 0 if report.summary.ok else 1
 
 
+def speaker(fmt: str) -> Callable[..., None]:
+    """How the lines around a table print: in a terminal (fmt "table") they wrap between words, at its
+    width; elsewhere each stays one line, whole, for grep and for a reader of any width."""
+    return functools.partial(console.print, highlight=False, soft_wrap=resolve_format(fmt) != "table")
+
+
 def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging, table: bool = True) -> Report:
     """Compare, print the table (unless not `table`: check --zoom's stats-only pass, which zooms itself)
     and summary, write the reports; exit 2 after a one-line error."""
@@ -174,9 +180,7 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging, t
         fail(str(e), e.exit_code)
     report, findings = compared.report, compared.findings
     fmt = resolve_format(judging.fmt)
-    # In a terminal the lines around the table wrap between words, at its width; elsewhere each stays
-    # one line, whole, for grep and for a reader of any width.
-    say = functools.partial(console.print, highlight=False, soft_wrap=fmt != "table")
+    say = speaker(fmt)
     with reader_may_leave():
         for side, path, source in (("A", a, report.a), ("B", b, report.b), ("R", reference, compared.reference)):
             if source is not None:

@@ -39,7 +39,7 @@ from megalign.compare.records import (APART, FAIL, NOT_REASSEMBLABLE, ONLY_A, ON
 from megalign.compare.scale import KindScale, SmallScale, check_kinds, check_scale, check_small, explained
 from megalign.compare.thresholds import Thresholds, precision_of, run_precision
 from megalign.dump.format import PRECISIONS, Kind
-from megalign.dump.stats import TensorStats, sketch_of
+from megalign.dump.stats import TensorStats, summary_of
 
 
 @dataclass
@@ -89,7 +89,7 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
         v.status = SHAPE_MISMATCH
         if rows is not None:
             split = y if rows.side == "B" else x
-            _note_repeated(v, split, rows, rules.thresholds.for_tensor(kind, name, precision, split.shape))
+            _note_repeated(v, x, y, rows, rules.thresholds.for_tensor(kind, name, precision, split.shape))
         return v
     threshold = rules.thresholds.for_tensor(kind, name, precision, x.shape)
     replicas_disagree = _judge_replicas(v, x, y, threshold)
@@ -121,15 +121,16 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
     strict = rules.strict_nonfinite and v.nonfinite_in_both
     v.status = FAIL if diverged or m.nonfinite_mismatch or replicas_disagree or strict else PASS
     if v.status == FAIL and rows is not None and v.threshold is not None and x.tensor is not None and \
-            y.tensor is not None and not _note_repeated(v, y if rows.side == "B" else x, rows, v.threshold) and \
+            y.tensor is not None and not _note_repeated(v, x, y, rows, v.threshold) and \
             (rank := only_rank(x.tensor, y.tensor, rows, v.threshold)) is not None:
         v.notes.append(rows.note(rank))
     return v
 
 
-def _note_repeated(v: Verdict, split: Value, rows: RankRows, threshold: float) -> bool:
-    """Notes a DP rank that holds another rank's rows (rank_rows.repeated_rank); whether one does."""
-    repeated = repeated_rank(split.tensor, rows, threshold)
+def _note_repeated(v: Verdict, x: Value, y: Value, rows: RankRows, threshold: float) -> bool:
+    """Notes a DP rank of rows.side that holds another rank's rows (rank_rows.repeated_rank); whether one does."""
+    split, unsplit = (y, x) if rows.side == "B" else (x, y)
+    repeated = repeated_rank(split.tensor, unsplit.tensor, rows, threshold)
     if repeated is not None:
         v.notes.append(rows.repeat_note(*repeated))
     return repeated is not None
@@ -244,14 +245,12 @@ def _metrics(x: Value, y: Value) -> Union[TensorMetrics, StatsMetrics]:
         return tensor_metrics(x.tensor, y.tensor)
     # A --stats-only side: its sketch against the other's where both have one, else the summaries.
     if (x.sketch is not None or x.tensor is not None) and (y.sketch is not None or y.tensor is not None):
-        return sketch_metrics(*map(_stats, (x, y)), *map(_sketch, (x, y)))
-    return stats_metrics(_stats(x), _stats(y))
+        (stats_x, sketch_x), (stats_y, sketch_y) = map(_summary, (x, y))
+        return sketch_metrics(stats_x, stats_y, sketch_x, sketch_y)
+    return stats_metrics(*(_summary(value)[0] for value in (x, y)))
 
 
-def _stats(value: Value) -> Optional[TensorStats]:
-    """None: a partial sum's, which only its sketch stands for."""
-    return value.stats if value.stats is not None or value.tensor is None else TensorStats.of(value.tensor)
-
-
-def _sketch(value: Value) -> np.ndarray:
-    return value.sketch if value.sketch is not None else sketch_of(value.tensor)
+def _summary(value: Value) -> tuple[Optional[TensorStats], Optional[np.ndarray]]:
+    """A side's statistics (None: a partial sum's, which only its sketch stands for) and sketch, a
+    full tensor's both in one pass."""
+    return (value.stats, value.sketch) if value.tensor is None else summary_of(value.tensor)

@@ -26,6 +26,7 @@ from megalign.dump.layout import BatchRow, at_real_tokens
 
 APART = "a sequence dim without a batch dim: not lined up between differently packed or padded batches"
 APART_UNKNOWN = "a token tensor of a dump whose rows were not recorded, shaped unlike the other side's"
+UNLINED_STATS = "stats only: no values to line up the real tokens of packed and padded rows"
 APART_UNNAMED = ("a batch dim and the rows' length on a dim not recorded as the sequence dim (attention "
                  "weights [batch, heads, seq, seq]): not lined up between differently packed or padded batches")
 
@@ -119,7 +120,7 @@ def real_tokens(value: Value, batch_dim: int, seq_dim: int, rows: list[BatchRow]
     if value.problem:
         return value
     if value.tensor is None:
-        return replace(value, problem="stats only: no values to line up the real tokens of packed and padded rows")
+        return replace(value, problem=UNLINED_STATS)
     if value.tensor.ndim <= max(batch_dim, seq_dim) or \
             (value.tensor.shape[batch_dim], value.tensor.shape[seq_dim]) != (len(rows), rows[0].bounds[-1]):
         return replace(value, problem=f"shape {list(value.tensor.shape)} does not hold the dump's {len(rows)} rows "

@@ -207,7 +207,8 @@ def sketch_metrics(a: Optional[TensorStats], b: Optional[TensorStats], sketch_a:
     """The relative difference estimated from two sketches: sum((x-y)^2) by ||S(x) - S(y)||^2
     (unbiased, relative std at most sqrt(2/K): dump/sketch.py), over sum(x*x + y*y) from the
     statistics, exact; from the sketches too where a side has none (a partial sum's). The norms,
-    means and standard deviations are the statistics' (NaN where there are none)."""
+    means and standard deviations are the statistics' (NaN where there are none: a sketch's norm is
+    off by about sqrt(2/K), far above a scale check's tolerance)."""
     diff = np.subtract(sketch_a, sketch_b, dtype=np.float64)
     scale = float(np.abs(diff).max(initial=0.0))  # squares of tiny sketches would underflow
     diff_sq = float(np.square(diff / scale).sum()) if scale > 0 else 0.0
@@ -218,7 +219,7 @@ def sketch_metrics(a: Optional[TensorStats], b: Optional[TensorStats], sketch_a:
     missing = TensorStats(numel=0, sum=math.nan, sum_sq=math.nan, abs_sum=math.nan, min=math.nan, max=math.nan,
                           nan=0, inf=0)
     a, b = a or missing, b or missing
-    return StatsMetrics(rel_diff=rel, norm_a=norm_a, norm_b=norm_b, mean_a=a.mean, mean_b=b.mean,
+    return StatsMetrics(rel_diff=rel, norm_a=a.norm, norm_b=b.norm, mean_a=a.mean, mean_b=b.mean,
                         std_a=a.std, std_b=b.std, nan_a=a.nan, nan_b=b.nan, inf_a=a.inf, inf_b=b.inf,
                         sketch_k=k, rel_diff_std=rel * math.sqrt(2 / k))
 

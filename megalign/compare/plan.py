@@ -6,13 +6,11 @@ its tensor is split on as `Split`s; `place` works out the plan. megalign dumps (
 axes from the record's sharding and the layout; sglang dumps from their dims (sources/sglang_dims.py),
 which may also sum ranks' pieces (`partial`, the plan's terms).
 
-For a megalign dump, each shard's place is worked out per dim (dump/placement.py), as runs of local
-positions that land on consecutive global ones: along tp_dim, TP shards in tp_rank order (fused tensors,
-tp_parts, part by part); along the sequence dim, SP pieces in tp_rank order within their CP rank's
-piece, then the CP zigzag undone (document by document in a packed row, at the dump's bounds); along
-dp_dim, DP ranks in order. On an axis a tensor is not split on (no tp_dim, no sequence dim under CP, no
-dp_dim), the ranks hold replicas: the first is placed, the others are checked against it, by the content
-hash the run recorded for each (read only when the hashes differ, or a dump has none).
+For a megalign dump, each shard's place is worked out per dim by dump/placement.py's rule, as runs of
+local positions that land on consecutive global ones. On an axis a tensor is not split on (no tp_dim,
+no sequence dim under CP, no dp_dim), the ranks hold replicas: the first is placed, the others are
+checked against it, by the content hash the run recorded for each (read only when the hashes differ,
+or a dump has none).
 Under PP a name lives on one stage, whose ranks are exactly the shards given.
 A DTensor's pieces (sharding.mesh) are placed at the offsets they recorded instead, uneven ones too:
 ranks of one offset that differ only on Partial mesh dims are summed (`terms`), sums that differ on
@@ -28,7 +26,7 @@ from typing import Callable, Iterable, Optional
 
 from megalign.dump.format import RankCoords, TensorRecord
 from megalign.dump.layout import Layout
-from megalign.dump.placement import Run, Split, runs_of, splits_of  # noqa: F401 (Split: re-exported)
+from megalign.dump.placement import Run, Split, runs_of, splits_of
 from megalign.dump.reader import RankManifest
 from megalign.dump.sharding import MeshPlacement
 

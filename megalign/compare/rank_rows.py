@@ -4,7 +4,8 @@ A tensor split over DP ranks along its batch dim holds each rank's rows in a blo
 shard plan places them: plan.py; a tensor lined up by its real tokens, lineup.py, holds them as a run
 of tokens). Where one block differs and the others agree to rounding, the cause is that rank's own:
 its random state (dropout left on) or its data, and the row says which rank. Where a rank's block
-repeats another rank's, the two were fed one shard of data: said even where the shapes differ (with
+repeats another rank's while the other side's rows there differ (rows alike by construction, position
+ids, are alike there too), the two were fed one shard of data: said even where the shapes differ (with
 uneven rows, the repeated rows hold another count of real tokens). The blocks are read from the side
 split over more DP ranks (B on a tie). Once parameters or their gradients differ, every rank's rows
 differ at the steps after for that cause, whatever each rank's own: no rank is named there.
@@ -74,19 +75,39 @@ def only_rank(x: torch.Tensor, y: torch.Tensor, rows: RankRows, threshold: float
     return over[0] if len(over) == 1 else None
 
 
-def repeated_rank(tensor: Optional[torch.Tensor], rows: RankRows, threshold: float) -> Optional[tuple[int, int]]:
-    """(rank, other): the first DP rank whose rows equal an earlier rank's to `threshold`, or None."""
-    if tensor is None or tensor.dim() <= rows.dim or rows.blocks[-1][2] != tensor.shape[rows.dim]:
+def repeated_rank(tensor: Optional[torch.Tensor], unsplit: Optional[torch.Tensor], rows: RankRows,
+                  threshold: float) -> Optional[tuple[int, int]]:
+    """(rank, other): the first DP rank whose rows equal an earlier rank's to `threshold` where the
+    other side's (`unsplit`) rows at the same places differ, or None. Rows alike by construction
+    (position ids, an all-ones loss mask, a learned position embedding's output) are alike on the
+    other side too: no shard of data was repeated there. Of another shape (uneven rows lined up by
+    their tokens), the other side's two blocks are compared over the rows both hold."""
+    if tensor is None or unsplit is None or tensor.dim() <= rows.dim or rows.blocks[-1][2] != tensor.shape[rows.dim]:
         return None
-    seen: dict[int, torch.Tensor] = {}
+    seen: dict[int, tuple[int, int, torch.Tensor]] = {}
     for rank, start, stop in rows.blocks:
         block = tensor.narrow(rows.dim, start, stop - start)
-        for other, earlier in seen.items():
-            if earlier.shape == block.shape and bool(block.any()) and \
-                    tensor_metrics(earlier, block).rel_diff <= threshold:
+        for other, (other_start, other_stop, earlier) in seen.items():
+            if _alike(earlier, block, threshold) and bool(block.any()) and \
+                    not _alike_where_both_are(_rows(unsplit, rows.dim, other_start, other_stop),
+                                              _rows(unsplit, rows.dim, start, stop), threshold):
                 return rank, other
-        seen[rank] = block
+        seen[rank] = (start, stop, block)
     return None
+
+
+def _alike(x: torch.Tensor, y: torch.Tensor, threshold: float) -> bool:
+    return x.shape == y.shape and tensor_metrics(x, y).rel_diff <= threshold
+
+
+def _alike_where_both_are(x: torch.Tensor, y: torch.Tensor, threshold: float) -> bool:
+    common = min(len(x), len(y))
+    return common > 0 and _alike(x[:common], y[:common], threshold)
+
+
+def _rows(tensor: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows start..stop along `dim`, as many of them as the tensor holds (another shape's may hold fewer)."""
+    return tensor.movedim(dim, 0)[start:stop] if tensor.dim() > dim else tensor[:0]
 
 
 def _blocks(side: str, entry, layout: Optional[Layout]) -> Optional[RankRows]:

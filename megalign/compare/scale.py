@@ -97,8 +97,9 @@ def tolerance(precision: str, n: int) -> float:
 def check_scale(precision: str, n: int, metrics: Union[TensorMetrics, StatsMetrics],
                 threshold: float) -> Optional[Scale]:
     """The scale check of a pair of `n` elements each (values, or --stats-only summaries) whose relative
-    difference may reach `threshold`; None at fp64."""
-    if precision not in TOLERANCE:
+    difference may reach `threshold`; None at fp64, and where a side's norm is not known exactly (a
+    --stats-only partial sum keeps only its sketch: metrics.sketch_metrics)."""
+    if precision not in TOLERANCE or math.isnan(metrics.norm_a) or math.isnan(metrics.norm_b):
         return None
     sums = (metrics.sum_a, metrics.sum_b) if isinstance(metrics, TensorMetrics) else \
         (metrics.mean_a * n, metrics.mean_b * n)

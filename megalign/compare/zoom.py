@@ -15,8 +15,9 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from megalign.compare.lineup import UNLINED_STATS
 from megalign.compare.metrics import StatsMetrics
-from megalign.compare.records import Report, Row
+from megalign.compare.records import NOT_REASSEMBLABLE, Report, Row
 from megalign.compare.steps import step_name
 from megalign.dump.format import Kind
 from megalign.dump.zoom import FullValues
@@ -48,6 +49,14 @@ def stats_divergence(report: Report) -> Optional[Row]:
         return None
     row = report.rows[report.first_divergence]
     return row if isinstance(row.metrics, StatsMetrics) else None
+
+
+def unlined(rows: list[Row]) -> int:
+    """How many token tensors a stats-only comparison left unjudged, its runs' rows laid out differently
+    (packed against padded, or padded to other lengths: lineup.py needs values). A zoom cannot judge
+    them either: outside it they are statistics again."""
+    return sum(row.status == NOT_REASSEMBLABLE and any(note.endswith(UNLINED_STATS) for note in row.notes)
+               for row in rows)
 
 
 def zoom_around(report: Report) -> Optional[Zoom]:

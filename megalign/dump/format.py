@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megalign.dump.sketch import encode
+from megalign.dump.sketch import encode, finite
 from megalign.dump.sharding import Sharding
 from megalign.dump.stats import TensorStats
 
@@ -115,7 +115,7 @@ class TensorRecord:
                 "layer": self.layer, "file": self.file, "key": self.key,
                 "stats": self.stats.to_dict() if self.stats else None, "hash": self.hash,
                 **({} if self.call is None else {"call": self.call}),
-                **({} if self.sketch is None else {"sketch": encode(self.sketch)})}
+                **({} if finite(self.sketch) is None else {"sketch": encode(self.sketch)})}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Optional, Union
 import numpy as np
 import torch
 
-from megalign.dump.sketch import K, device_sketch, rows_and_cols
+from megalign.dump.sketch import K, device_sketch, queued, rows_and_cols
 
 CHUNK = 1 << 20  # elements summed at a time on a CPU (4 MiB of float32)
 
@@ -122,12 +122,13 @@ def host_summary(tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -
     return stats, sketch
 
 
-def sketch_of(tensor: torch.Tensor) -> np.ndarray:
-    """The sketch of a whole tensor (a full dump's, judged against a stats-only one's)."""
+def summary_of(tensor: torch.Tensor) -> tuple[TensorStats, np.ndarray]:
+    """A whole tensor's statistics and sketch (a full dump's, judged against a stats-only one's): one
+    pass on a CPU."""
     base, cols = rows_and_cols(tuple(tensor.shape), [torch.arange(n) for n in tensor.shape], tensor.device)
     if tensor.device.type == "cpu":
-        return host_summary(tensor, base, cols)[1]
-    return device_sketch(summable(tensor.detach().reshape(-1)), base, cols).cpu().numpy()
+        return host_summary(tensor, base, cols)
+    return TensorStats.of(tensor), device_sketch(summable(tensor.detach().reshape(-1)), base, cols).cpu().numpy()
 
 
 def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
@@ -185,7 +186,7 @@ class SummaryBatch:
     launches (the slice, copy and fill) where the kernel costs one.
 
     Nothing here waits for the device: the host's part (which rows are whose) is copied from
-    page-locked memory behind the step's kernels (_queued), and nothing is indexed by a Python list
+    page-locked memory behind the step's kernels (sketch.queued), and nothing is indexed by a Python list
     (a list index is a copy from pageable memory, which waits for the whole queue: 20 stalls a step
     of that 4-layer Llama, torch.cuda.set_sync_debug_mode)."""
 
@@ -297,7 +298,7 @@ def _summaries(per_row: torch.Tensor, pieces: list[tuple[int, int, int]], count:
     its tensor's NaN count. The pieces' numbers cross in one copy; each row's tensor is made on the
     device."""
     device = per_row.device
-    owner, numel, rows = _queued(list(zip(*pieces)), torch.int64, device)
+    owner, numel, rows = queued(torch.tensor(list(zip(*pieces)), dtype=torch.int64), device)
     grouped = _group(per_row, torch.repeat_interleave(owner, rows, output_size=per_row.shape[0]), count)
     numel, padding = torch.zeros(2, count, dtype=torch.float64, device=device).index_add_(
         1, owner, torch.stack([numel, rows * ROW - numel]).double())
@@ -313,15 +314,6 @@ def _group(values: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tenso
     high = torch.full((count,), -math.inf, dtype=values.dtype, device=values.device).scatter_reduce_(
         0, owner, values[:, 4], "amax")
     return torch.cat([added[:, :3], low[:, None], high[:, None], added[:, 5:]], 1)
-
-
-def _queued(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on `device`, the copy queued behind the step's kernels from page-locked memory:
-    torch copies pageable memory to a GPU by waiting for the whole queue first."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 _loaded: Union[Callable, None, bool] = None  # device_kernels' reduce once loaded; False: none here

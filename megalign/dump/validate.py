@@ -18,7 +18,7 @@ import numpy as np
 from megalign.dump.format import FORMAT, KINDS, PRECISIONS, VERSIONS, RankCoords, TensorRecord, check_name
 from megalign.dump.layout import CP_SPLITS, BatchRow, Layout, cp_split_bounds
 from megalign.dump.sharding import MeshPlacement, Sharding
-from megalign.dump.sketch import K, decode
+from megalign.dump.sketch import K, decode, finite
 from megalign.dump.stats import TensorStats
 from megalign.dump.tensorfile import STORED_DTYPES
 from megalign.errors import UserError, is_int, is_number
@@ -193,13 +193,14 @@ def check_record(raw: Any, where: str, rank_dir: Path) -> TensorRecord:
 
 
 def _sketch(raw: Any, stats: Any, where: str) -> Optional[np.ndarray]:
-    """A stats-only record's sketch: K float64 values in base64 (sketch.encode), finite."""
+    """A stats-only record's sketch: K float64 values in base64 (sketch.encode); one that overflowed
+    (sketch.finite) reads as none."""
     if raw is None:
         return None
     values = decode(raw) if isinstance(raw, str) and stats is not None else None
-    if values is None or not np.isfinite(values).all():
-        raise Malformed(f"{where}: sketch must be {K} finite float64 values in base64, beside stats")
-    return values
+    if values is None:
+        raise Malformed(f"{where}: sketch must be {K} float64 values in base64, beside stats")
+    return finite(values)
 
 
 def _name(raw: Any, where: str) -> str:

@@ -37,6 +37,9 @@ from megalign.dump.tensorfile import STORED, unstorable, write_file
 # with four). A quarter of the cores at most, since the run needs the rest: one thread on 7 or fewer.
 WRITE_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) // 4))
 SUMMARIES_PER_COPY = 256  # device statistics read back together
+# The longest index vector _located keeps (512 KiB of int64): an activation's rows and hidden dim fit,
+# a big 1-D tensor's columns do not.
+CACHED_INDEXES = 1 << 16
 
 
 def check_storable(kind: Kind, name: str, tensor: torch.Tensor) -> None:
@@ -268,12 +271,21 @@ class RankWriter:
             self._entries[record.order] = _entry(record)
 
 
-@functools.lru_cache(maxsize=4096)  # asked of every record a step: the shapes and places repeat
 def _located(shape: tuple[int, ...], sharding: Sharding, coords: RankCoords, layout: Layout,
              bounds: Optional[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a shard's elements lie in the whole (sketch.rows_and_cols), on its device. Worked out
     anew it cost the step's thread 18 us for a plain [64, 64] and 240 us for a CP=2 zigzag
-    [2048, 2, 1024] (its runs walked in Python); cached, 1 us."""
+    [2048, 2, 1024] (its runs walked in Python); cached, 1 us. Index vectors over CACHED_INDEXES
+    long (a big 1-D tensor's columns) are worked out anew: a cache would hold them, on the device
+    too, for the run's life."""
+    small = max(math.prod(shape[:-1]), *shape[-1:], 0) <= CACHED_INDEXES
+    return (_located_cached if small else _located_cached.__wrapped__)(shape, sharding, coords, layout, bounds,
+                                                                         device)
+
+
+@functools.lru_cache(maxsize=4096)  # asked of every record a step: the shapes and places repeat
+def _located_cached(shape: tuple[int, ...], sharding: Sharding, coords: RankCoords, layout: Layout,
+                    bounds: Optional[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return rows_and_cols(*positions(shape, sharding, coords, layout, bounds), device)
 
 

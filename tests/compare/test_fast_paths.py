@@ -29,7 +29,7 @@ from megalign.dump import writer as writer_module
 from megalign.dump.format import RankCoords
 from megalign.dump.sharding import Sharding
 from megalign.dump.pinned import PinnedBuffers
-from megalign.dump.stats import TensorStats, sketch_of
+from megalign.dump.stats import TensorStats, summary_of
 from megalign.dump.tensorfile import TensorFiles, content_hash, read_into, write_file
 from megalign.dump.writer import RankWriter
 
@@ -253,7 +253,7 @@ def test_stats_only_records_the_values_as_they_were_added_on_each_device(tmp_pat
     tensors = [torch.randn(300, 300, generator=generator) * (i + 1) for i in range(9)]
     tensors += [torch.tensor([1.0, math.nan, math.inf]), torch.randn(40, generator=generator).bfloat16()]
     expected = [TensorStats.of(t) for t in tensors]
-    sketches = [sketch_of(t) for t in tensors]
+    sketches = [summary_of(t)[1] for t in tensors]
     for i, tensor in enumerate(tensors):
         on_device = tensor.to(device)
         writer.add("activation", f"t{i}", on_device, Sharding())

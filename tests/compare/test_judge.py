@@ -17,7 +17,7 @@ from megalign.compare.rank_rows import RankRows, unname_after_parameters_differ
 from megalign.compare.records import (APART, BY_OP_MAP, FAIL, NOT_REASSEMBLABLE, ONLY_A, ONLY_B, PASS, SHAPE_MISMATCH,
                                       UNVERIFIABLE, Row, Summary, Verdict)
 from megalign.compare.thresholds import Thresholds
-from megalign.dump.stats import TensorStats
+from megalign.dump.stats import TensorStats, summary_of
 
 FP32 = Rules(Thresholds(), run_a="fp32", run_b="fp32")
 BF16 = Rules(Thresholds(), run_a="bf16", run_b="bf16")
@@ -253,6 +253,22 @@ def test_a_dp_rank_holding_another_rank_s_rows_is_named_even_where_the_shapes_di
     assert v.status == FAIL and v.notes == [TOKENS.repeat_note(1, 0) if repeats else TOKENS.note(1)]
 
 
+@pytest.mark.parametrize("batch_repeats", [True, False])
+def test_rows_alike_on_every_rank_by_construction_name_no_rank(batch_repeats):
+    """A learned position embedding's output is the same on every DP rank, and on the other side too:
+    no shard was repeated (before, B's rank 1 was said to hold rank 0's rows). The twin: A's batch
+    holds other rows there, B's ranks repeat one shard. Of one shape and of another (uneven rows)."""
+    positions = randn(5, 16, seed=2)
+    y = torch.cat([positions, positions])
+    off = (positions + 0.1 * randn(5, 16, seed=4)).repeat(2, 1)  # failing, B's ranks alike all the same
+    for a in (y.clone(), y[:7].clone()):
+        if batch_repeats:
+            a[5:] = randn(len(a) - 5, 16, seed=3)
+        v = judge_pair("activation", "t", value(a), value(off), FP32, rows=TOKENS)
+        assert v.status in (FAIL, SHAPE_MISMATCH)
+        assert (TOKENS.repeat_note(1, 0) in v.notes) == batch_repeats, v.notes
+
+
 @pytest.mark.parametrize("params_differ", [True, False])
 def test_one_rank_is_named_at_a_later_step_only_while_the_parameters_agree(params_differ):
     """Dropout on rank 1 fails step 0's reduced gradients, hence step 1's parameters: then every rank's
@@ -331,6 +347,18 @@ def test_stats_only_sides_are_judged_on_their_summaries():
     off = judge_pair("activation", "t", Value([64, 8], "float32", stats=TensorStats.of(x)),
                      Value([64, 8], "float32", stats=TensorStats.of(x * 1.001)), FP32)
     assert off.status == FAIL and off.metrics.rel_diff > 1e-8
+
+
+def test_a_partial_sum_s_sketch_is_judged_without_a_scale_check():
+    """A stats-only partial sum keeps only its sketch, whose norm is about sqrt(2/K) off the true one:
+    no scale check on it (it called an identical gradient rescaled, norm ratio 1.15); a real difference
+    still fails on the sketch's estimate."""
+    x = randn(64, 256)
+    partial = Value([64, 256], "float32", sketch=summary_of(x)[1])
+    same = judge_pair("param_grad", "t", partial, value(x.clone()), FP32)
+    assert same.status == PASS and same.scale is None and math.isnan(same.metrics.norm_a)
+    off = judge_pair("param_grad", "t", partial, value(x + 0.05 * randn(64, 256, seed=1)), FP32)
+    assert off.status == FAIL and off.metrics.rel_diff > 1e-4 and off.scale is None
 
 
 def test_stats_only_infinities_are_counted_alike_whatever_their_signs():

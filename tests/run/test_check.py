@@ -65,6 +65,13 @@ def test_a_failing_run_stops_check_with_its_error(tmp_path, capfd):
     assert zoom_option.exit_code == 2 and "--dump-only is --zoom's own option" in zoom_option.output
 
 
+def test_zoom_with_a_reference_is_refused_before_any_run(tmp_path):
+    """Its stats-only pass never judges against the fp64 run: it could pass where --reference fails."""
+    result = invoke("check", "--zoom", "--reference", "--out", tmp_path / "check")
+    assert result.exit_code == 2 and "error: --zoom does not take --reference" in result.output
+    assert not (tmp_path / "check").exists()
+
+
 def test_a_run_option_that_does_not_exist_stops_check_before_any_run(tmp_path):
     result = invoke("check", "--target", "--bogus 3", "--out", tmp_path / "check")
     assert result.exit_code == 2

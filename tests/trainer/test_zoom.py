@@ -15,7 +15,10 @@ import torch
 import megalign
 from megalign.compare.pipeline import compare_paths
 from megalign.compare.thresholds import Thresholds
-from megalign.compare.zoom import zoom_around
+from megalign.compare.lineup import UNLINED_STATS
+from megalign.compare.records import FAIL, NOT_REASSEMBLABLE, PASS, Row, Verdict
+from megalign.compare.zoom import unlined, zoom_around
+from megalign.dump.format import Kind
 from megalign.dump.zoom import FullValues, full_values
 from megalign.errors import UserError
 from tests.conftest import invoke
@@ -105,3 +108,15 @@ def test_a_divergence_at_a_whole_model_zooms_its_own_and_its_direct_submodules_p
     assert report.rows[report.first_divergence].name == "net"
     assert zoom.step == 0 and "net" in zoom.names and zoom.names[-2:] == ("net.head.weight", "net.head.bias")
     assert not any(name.startswith("net.inner.") and name.endswith(("weight", "bias")) for name in zoom.names)
+
+
+def test_token_tensors_a_stats_only_pass_could_not_line_up_are_counted_and_others_are_not():
+    """check --zoom refuses runs whose rows differ (packed against padded): their token tensors are
+    NOT_REASSEMBLABLE in its stats-only pass, and would be again outside any zoom."""
+    def row(index: int, status: str, *notes: str) -> Row:
+        return Row.of(index, Kind.ACTIVATION, f"t{index}", None, Verdict(status=status, notes=list(notes)))
+
+    rows = [row(0, PASS), row(1, NOT_REASSEMBLABLE, f"A: {UNLINED_STATS}", f"B: {UNLINED_STATS}"),
+            row(2, NOT_REASSEMBLABLE, "A: shard 1 missing"), row(3, FAIL)]
+    assert unlined(rows) == 1
+    assert unlined([row(0, PASS), row(2, NOT_REASSEMBLABLE, "A: shard 1 missing")]) == 0

@@ -19,11 +19,14 @@ from megalign.dump.layout import Layout, zigzag_chunks
 from megalign.dump.meta import dump_meta
 from megalign.dump.partial import partial_piece
 from megalign.dump.sharding import Sharding
+from megalign.dump import sketch
 from megalign.dump.sketch import K, device_sketch, encode, rows_and_cols
-from megalign.dump.stats import host_summary, sketch_of
+from megalign.dump.stats import host_summary, summary_of
 from megalign.dump.validate import Malformed, check_record
+from megalign.dump import writer as writer_module
 from megalign.dump.writer import RankWriter
 
+HASHES = sketch.hashes
 LAYOUT = Layout(tp=2, cp=2, dp=2)
 GEN = torch.Generator().manual_seed(0)
 WHOLE = {"col": torch.randn(8, 6, generator=GEN), "row": torch.randn(6, 8, generator=GEN),
@@ -91,14 +94,14 @@ def test_shards_sketches_sum_to_the_whole_tensors_sketch(tmp_path):
     got = sketches(write(tmp_path / "placed", placed=True))
     assert set(got) == set(WHOLE)
     for name, whole in WHOLE.items():
-        want = sketch_of(whole)
+        want = summary_of(whole)[1]
         assert np.allclose(got[name], want, rtol=1e-12, atol=1e-12 * np.abs(want).max()), name
 
 
 def test_twin_shards_sketched_at_their_local_positions_do_not_sum_to_the_whole(tmp_path):
     got = sketches(write(tmp_path / "local", placed=False))
     for name in ("col", "row", "fused", "act", "sp"):
-        assert not np.allclose(got[name], sketch_of(WHOLE[name]), rtol=1e-3), name
+        assert not np.allclose(got[name], summary_of(WHOLE[name])[1], rtol=1e-3), name
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -120,17 +123,53 @@ def test_the_host_kernel_and_the_device_ops_agree_over_finite_values(device):
         assert (stats.nan, stats.inf) == ((1, 1) if placed else (0, 0))
 
 
-@pytest.mark.parametrize("sketch", ["not base64!", "AAAA", None])
-def test_a_sketch_that_is_not_k_finite_values_beside_stats_is_malformed(tmp_path, sketch):
-    """validate.py: what is not K float64 values in base64 (None: a NaN among them) is bad input."""
-    writer = RankWriter(tmp_path, RankCoords(rank=0), stats_only=True)
-    writer.add("activation", "x", torch.ones(3), Sharding())
-    writer.close()
-    record = writer.records[0].to_dict()
+def test_the_device_ops_take_a_long_row_a_few_elements_at_a_time(monkeypatch):
+    """A big 1-D tensor is one row: blocked by elements, not rows, its temporaries stay ROWS_AT_ONCE
+    long (7 here); the sketch is the same as the host's, for a matrix whose rows a block cuts too."""
+    monkeypatch.setattr(sketch, "ROWS_AT_ONCE", 7)
+    hashed = []
+    monkeypatch.setattr(sketch, "hashes", lambda g: hashed.append(g.numel()) or HASHES(g))
+    for tensor, whole, placed in ((torch.randn(100, generator=GEN), (300,), [torch.arange(150, 250)]),
+                                  (torch.randn(3, 10, generator=GEN), (6, 30), [torch.tensor([0, 5, 2]),
+                                                                               torch.arange(10, 20)])):
+        located = rows_and_cols(whole, placed)
+        assert np.allclose(device_sketch(tensor.reshape(-1), *located).numpy(), host_summary(tensor, *located)[1],
+                           rtol=1e-12, atol=1e-12)
+    assert max(hashed) == 7
+
+
+@pytest.mark.parametrize("sketch", ["not base64!", "AAAA"])
+def test_a_sketch_that_is_not_k_float64_values_beside_stats_is_malformed(tmp_path, sketch):
+    """validate.py: what is not K float64 values in base64 is bad input."""
+    record = _stats_only_record(tmp_path, torch.ones(3))
     assert check_record(record, "r", tmp_path).sketch is not None
-    if sketch is None:
-        record["sketch"] = encode(np.full(K, math.nan))
-    else:
-        record["sketch"] = sketch
-    with pytest.raises(Malformed, match="sketch must be 128 finite float64 values in base64, beside stats"):
+    record["sketch"] = sketch
+    with pytest.raises(Malformed, match="sketch must be 128 float64 values in base64, beside stats"):
         check_record(record, "r", tmp_path)
+
+
+def test_a_sketch_that_overflowed_is_not_written_and_reads_as_none(tmp_path):
+    """An fp64 run's values near 1e308 sum past float64 in a bucket: the record keeps its statistics
+    without a sketch (before, the reader rejected the whole dump); one written anyway reads as none."""
+    record = _stats_only_record(tmp_path, torch.full((300,), 1e308, dtype=torch.float64))
+    assert "sketch" not in record and check_record(record, "r", tmp_path).stats is not None
+    record = _stats_only_record(tmp_path, torch.ones(3))
+    record["sketch"] = encode(np.full(K, math.nan))
+    assert check_record(record, "r", tmp_path).sketch is None
+
+
+def test_a_scalar_and_a_long_vector_keep_their_sketches_and_only_short_indexes_are_cached(tmp_path, monkeypatch):
+    """writer._located: index vectors over CACHED_INDEXES are not kept (they would stay for the run's life)."""
+    monkeypatch.setattr(writer_module, "CACHED_INDEXES", 4)
+    writer_module._located_cached.cache_clear()
+    for tensor in (torch.tensor(2.5), torch.randn(5, generator=GEN), torch.randn(2, 3, generator=GEN)):
+        assert np.array_equal(check_record(_stats_only_record(tmp_path, tensor), "r", tmp_path).sketch,
+                              summary_of(tensor)[1])
+    assert writer_module._located_cached.cache_info().currsize == 2  # the scalar's and the [2, 3]'s
+
+
+def _stats_only_record(folder: Path, tensor: torch.Tensor) -> dict:
+    writer = RankWriter(folder, RankCoords(rank=0), stats_only=True)
+    writer.add("activation", "x", tensor, Sharding())
+    writer.close()
+    return writer.records[0].to_dict()
