@@ -34,20 +34,6 @@ from megalign.cli.run import parse_run  # noqa: E402
 from megalign.options import RunConfig  # noqa: E402
 
 
-# The files that took longest (fresh-clone CI of ab8e002 and a --junitxml run of its tree), collected
-# first: pytest-xdist's --dist loadfile hands out files in collection order, and one of them drawn last
-# kept one worker busy minutes after the others had finished.
-SLOW_FIRST = ("tests/trainer/test_megatron_trainer.py", "tests/stacks/test_real_checkpoint.py", "tests/run/test_check.py",
-              "tests/stacks/test_cross_stack.py", "tests/stacks/test_cross_stack_moe.py", "tests/run/test_out_safety.py",
-              "tests/stacks/test_cross_stack_deepseek.py", "tests/trainer/test_gpt2_conventions.py",
-              "tests/compare/test_hostile_dumps.py", "tests/run/test_run_errors.py")
-
-
-def pytest_collection_modifyitems(items):
-    first = {path: i for i, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(SLOW_FIRST)))  # stable: the rest as collected
-
-
 def invoke(*args: str, env: Optional[dict[str, str]] = None):
     """Run `megalign ARGS` in-process through Typer, as a user would type it (with `env` set, e.g. COLUMNS)."""
     return CliRunner().invoke(app, [str(a) for a in args], env=env)
