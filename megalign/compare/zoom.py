@@ -19,12 +19,11 @@ from megalign.compare.lineup import UNLINED_STATS
 from megalign.compare.metrics import StatsMetrics
 from megalign.compare.records import NOT_REASSEMBLABLE, Report, Row
 from megalign.compare.steps import step_name
-from megalign.dump.format import Kind
+from megalign.dump.format import REPEAT, Kind
 from megalign.dump.zoom import FullValues
 
 BEFORE = AFTER = 3
 _PARAMETERS = (Kind.PARAM, Kind.PARAM_GRAD)
-_REPEAT = re.compile(r"@\d+$")  # a module's later calls in a step (sources/megalign.py's _repeats)
 
 
 @dataclass(frozen=True)
@@ -89,4 +88,4 @@ def _owned(module: str, parameter: str) -> bool:
 def _recorded(label: str, step: Optional[int]) -> str:
     """A row's name as the run recorded it: without its step (step1/...) and its call's repeat (@1)."""
     prefix = step_name(step, "") if step is not None else ""
-    return _REPEAT.sub("", label.removeprefix(prefix))
+    return REPEAT.sub("", label.removeprefix(prefix))
