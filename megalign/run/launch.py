@@ -65,17 +65,20 @@ def check_options(spec: RunSpec, options: Launch) -> None:
 
 def torchrun_command(spec: RunSpec, stack: str, spec_file: Path, log_dir: Path, options: Launch) -> list[str]:
     world = spec.layout.world_size
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world // options.nnodes}",
-               f"--nnodes={options.nnodes}", f"--node-rank={options.node_rank}", "--max-restarts=0",
-               f"--log-dir={log_dir}"]
+    torchrun = [f"--nproc-per-node={world // options.nnodes}", f"--nnodes={options.nnodes}",
+                f"--node-rank={options.node_rank}", "--max-restarts=0", f"--log-dir={log_dir}"]
     if options.rdzv_endpoint:
-        command += ["--rdzv-backend=c10d", f"--rdzv-endpoint={options.rdzv_endpoint}", "--rdzv-id=megalign"]
+        torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint={options.rdzv_endpoint}", "--rdzv-id=megalign"]
     elif options.master_addr or options.nnodes > 1:
-        command += [f"--master-addr={options.master_addr or '127.0.0.1'}",
-                    f"--master-port={options.master_port or 29500}"]
+        torchrun += [f"--master-addr={options.master_addr or '127.0.0.1'}",
+                     f"--master-port={options.master_port or 29500}"]
     else:
-        command += ["--standalone"]  # picks a free port: parallel runs on one machine do not collide
-    return command + ["-m", STACKS[stack].worker, str(spec_file)]
+        torchrun += ["--standalone"]  # picks a free port: parallel runs on one machine do not collide
+    worker = STACKS[stack]
+    if worker.forks and spec.device == "cpu":  # the ranks forked after one import of the stack (forked.py)
+        return [sys.executable, "-m", "megalign.run.forked", stack, spec.device, *torchrun, "--start-method=fork",
+                "--run-path", worker.worker_file(), str(spec_file)]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", worker.worker, str(spec_file)]
 
 
 def worker_env(spec: RunSpec) -> dict:
@@ -121,7 +124,9 @@ def launch(spec: RunSpec, stack: str, options: Launch, overwrite: bool,
         spec_file = Path(scratch) / "spec.json"
         spec_file.write_text(replace(spec, out=str(staging), save=save and str(save)).to_json())
         command = torchrun_command(spec, stack, spec_file, Path(scratch) / "torchrun-logs", options)
-        watch = _run(command, worker_env(spec), spec.timeout_s, on_event)
+        # Temporary files of the launcher's and the ranks' (torch's multiprocessing leaves its error files
+        # behind when a signal stops the ranks) go into the scratch folder, and so with it.
+        watch = _run(command, dict(worker_env(spec), TMPDIR=scratch), spec.timeout_s, on_event)
         if owner and not (staging / DUMP_META).is_file():
             raise RunFailed("the workers exited without writing dump.json", details=_tail(watch))
     return gather_result(Path(spec.out) if owner else staging, time.monotonic() - started, watch.written.values(),

@@ -162,6 +162,13 @@ def _run(spec: RunSpec, rank: int) -> None:
     emit("done", rank)
 
 
+def preload(device: str) -> None:
+    """What every rank imports, imported once by a launcher that then forks the ranks (run/forked.py)."""
+    _import_megatron(device)
+    import megalign.capture.megatron_adapter  # noqa: F401
+    import megalign.stacks.megatron.model  # noqa: F401
+
+
 def _import_megatron(device: str) -> None:
     """The patches the device needs, which import megatron-core: without torch's compiler (imports.py)."""
     from megalign.stacks.megatron.imports import compile_on_first_call
