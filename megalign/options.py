@@ -195,7 +195,7 @@ class Launch:
     timeout_s: float = option(600.0, "--timeout", metavar="SECONDS",
                               help="Seconds before every worker is stopped and the run fails.")
     launcher: Launcher = option("torchrun", "--launcher",
-                                help="torchrun: megalign starts the workers (torch.distributed.run). none: this "
+                                help="torchrun: megalign starts the workers with torchrun (on a CPU forked from one process that has imported megatron-core). none: this "
                                      "process is one rank of a job you started with your own torchrun/srun (RANK, "
                                      "WORLD_SIZE, MASTER_ADDR set); rank 0 shows progress.")
     nnodes: int = option(1, "--nnodes", metavar="N", help="Number of nodes (as torchrun).")
