@@ -39,8 +39,11 @@ $(CHECKPOINT_WHEEL):
 # Three pytest workers, a test file each at a time, on 2 cores: most tests wait on worker processes' start
 # and imports. One pytest process kept the cores 60% busy (18.7 against 12.9 minutes at two, README's
 # install notes); tests/run/ took 420 s at three against 469 s at two (one run each, same tree).
+# One OpenMP thread a process: three workers' processes share 2 cores, and torch's second thread only
+# waited for the first (tests/stacks/test_cross_stack.py's 10 layer and gradient tests at two workers:
+# 52 s of CPU, 46.5 s with one thread; torchrun already gives multi-rank runs one).
 test: install $(CHECKPOINT_WHEEL)
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 3 --dist loadfile
 
 bench: install $(CHECKPOINT_WHEEL)
 	$(BIN)/python bench/bench_run.py
