@@ -90,6 +90,18 @@ def check_distributed_optimizer(config: RunConfig) -> None:
         raise UserError("--grad-source shard reads the distributed optimizer's shard: it needs --distributed-optimizer")
 
 
+def check_recompute(config: RunConfig) -> None:
+    """megatron recomputes only in training (TransformerBlock checks self.training), and only its own layers."""
+    recompute = config.numerics.recompute
+    if recompute == "none":
+        return
+    if config.mode != "backward":
+        raise UserError(f"--recompute {recompute} recomputes activations in backward: it needs backward, not forward")
+    if config.source.stack != "megatron":
+        raise UserError(f"--recompute {recompute} is megatron-core's activation recomputation: it needs "
+                        "--stack megatron")
+
+
 def check_stack(config: RunConfig) -> None:
     stack, p = config.source.stack, config.parallel
     if stack == "megatron":
@@ -144,6 +156,7 @@ def plan_run(config: RunConfig) -> RunSpec:
         seq_len = _packed_seq_len(tokens, batch.seq_len, layout)
     check_layout(layout, model, seq_len, len(tokens))
     check_distributed_optimizer(config)
+    check_recompute(config)
     if output.filter:
         compile_pattern("--filter", output.filter)
     if output.dump_only:
@@ -159,6 +172,7 @@ def plan_run(config: RunConfig) -> RunSpec:
                    seq_len=seq_len,
                    device=resolve_device(numerics.device), dtype=numerics.dtype, seed=numerics.seed,
                    attention=numerics.attention, loss_norm=numerics.loss_norm, grad_source=numerics.grad_source,
+                   recompute=numerics.recompute,
                    filter=output.filter, stats_only=output.stats_only, dump_only=output.dump_only,
                    timeout_s=timeout_s,
                    distributed_optimizer=p.distributed_optimizer, hf=str(config.source.hf) if config.source.hf else None,

@@ -48,7 +48,7 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         use_cpu_initialization=True, perform_initialization=False,
         # The loss function normalises (see loss.py), so megatron must neither average nor rescale.
         calculate_per_token_loss=True,
-        **_moe_config(spec), **mla,
+        **_moe_config(spec), **mla, **_recompute_config(spec),
         # Fusions go through torch.compile (about 20 s cold) and are not what is being compared.
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -58,6 +58,15 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         for name, value in _yarn(model).items():
             setattr(config, f"yarn_{name}", value)
     return config
+
+
+def _recompute_config(spec: RunSpec) -> dict:
+    """--recompute as Megatron-LM's --recompute-* flags set it: full, one layer a checkpointed unit."""
+    if spec.recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return {}
 
 
 def _activation(model: ModelConfig):
