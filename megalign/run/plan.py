@@ -137,6 +137,7 @@ def plan_run(config: RunConfig) -> RunSpec:
         raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
                         "the folder); remove --out first")
     check_stack(config)
+    check_recompute(config)
     check_checkpoints(config)
     model = resolve_model(config)
     p, numerics, output = config.parallel, config.numerics, config.output
@@ -156,7 +157,6 @@ def plan_run(config: RunConfig) -> RunSpec:
         seq_len = _packed_seq_len(tokens, batch.seq_len, layout)
     check_layout(layout, model, seq_len, len(tokens))
     check_distributed_optimizer(config)
-    check_recompute(config)
     if output.filter:
         compile_pattern("--filter", output.filter)
     if output.dump_only:

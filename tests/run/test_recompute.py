@@ -35,7 +35,11 @@ def test_a_recomputation_that_computes_otherwise_fails_at_the_first_gradient_it_
     assert "FAIL" not in "".join(line for line in result.output.splitlines() if " activation " in line)
 
 
-def test_recompute_needs_backward(tmp_path):
-    result = invoke("forward", "--recompute", "full", "--out", tmp_path / "out")
-    assert result.exit_code == 2 and "--recompute full recomputes activations in backward: it needs backward" \
-        in error_line(result)
+@pytest.mark.parametrize("args, said", [
+    (("forward",), "--recompute full recomputes activations in backward: it needs backward, not forward"),
+    (("backward", "--stack", "hf", "--hf", ".cache/smollm2-135m"),
+     "--recompute full is megatron-core's activation recomputation: it needs --stack megatron"),
+])
+def test_recompute_outside_megatrons_training_is_refused_in_one_line(tmp_path, args, said):
+    result = invoke(*args, "--recompute", "full", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and error_line(result) == f"error: {said}"
