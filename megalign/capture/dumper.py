@@ -293,6 +293,8 @@ class Dumper:
         and `.weights`, [s, b, topk]; not its logits). Routers whose expert_bias megatron's
         finalize_model_grads moves after every step are said so in dump.json (their update rate), which
         compare reports beside the dump: a stack that keeps the bias routes otherwise from the next step.
+        Under activation recomputation (megatron-core's, torch's checkpoint) each output and its gradient
+        are recorded once, as without it (capture/recompute.py).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
         computes the same outputs); an output is split only where it has as many rows there as the
