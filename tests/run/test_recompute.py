@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import error_line, invoke
 
+import megalign
 from megalign.compare.sources import open_source
 
 
@@ -16,6 +17,7 @@ def names(path) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_a_recomputed_backward_records_each_tensor_once_and_agrees_with_the_plain_one(dump, recompute):
     plain, recomputed = dump("backward"), dump("backward", "--recompute", recompute)
+    assert megalign.open(recomputed).meta["recompute"] == recompute and "recompute" not in megalign.open(plain).meta
     assert names(recomputed) == names(plain)  # no layer's activations again as `name@1`
     result = invoke("compare", plain, recomputed)
     assert result.exit_code == 0, result.output
