@@ -10,6 +10,9 @@
 #                                          the bench stage reads the dumps the runs stage left)
 #   STAGE=trainer                         (one call: the Dumper in a user's loop, bench_trainer.py at two widths,
 #                                          and the Dumper's device tests)
+#   STAGE=scale8b                         (one call on its own, on an H200: Llama-3-8B's shape at full depth,
+#                                          bench/llama-3-8b.yaml, 2x4096 tokens, bf16 against fp32 under
+#                                          --recompute full through megalign check --zoom: its wall time and disk)
 #   STAGE=scale                           (one call on its own: the 8B-wide model, bench/llama-8b-wide.yaml,
 #                                          2x2048 tokens, bf16 and fp32 backward with full dumps, a stats-only
 #                                          run and their compare; bench/scale_figures.py prints the figures)
@@ -80,6 +83,46 @@ vocab = ModelConfig.from_yaml('$cfg').vocab_size; print(json.dumps([[r.randrange
   expect "bench-compare-scale" 0 python3 bench/bench_compare.py --dumps "$s/bf16" "$s/fp32" --once
   python3 bench/scale_figures.py "$s" "$LOGS/walls.txt" "$LOGS/bench-compare-scale.log" | tee "$OUTDIR/scale.txt"
   cp "$LOGS"/scale-*.log "$OUTDIR"/ 2>/dev/null
+  echo "== results"; cat "$RESULTS"
+  ! grep -q FAILED "$RESULTS"
+  exit
+fi
+
+# The scale8b stage: Llama-3-8B's shape at full depth (QUICK=1: the tiny model at 2x32 tokens), 2x4096
+# tokens, bf16 against fp32 under --recompute full (fp32 without it needs about 180 GB): `megalign check
+# --zoom`, a stats-only pass over every tensor, then, where it diverges, both runs again with values for
+# the tensors around the first divergence. Its wall time is the verdict's, and du says the disk of all it
+# wrote. Where bf16 and fp32 agree there is no second pass: the target's weights drawn from another seed
+# then force one (a divergence at the first activation), unless the first check left too little of the
+# call's 10 minutes.
+if [ "$STAGE" = scale8b ]; then
+  s=$DUMPS/scale8b
+  mkdir -p "$s"
+  cfg=bench/llama-3-8b.yaml; n=4096
+  [ -n "${QUICK:-}" ] && { cfg=configs/tiny.yaml; n=32; }  # a dry run of the stage itself
+  python3 -c "import json, random; from megalign.spec import ModelConfig; r = random.Random(0); \
+vocab = ModelConfig.from_yaml('$cfg').vocab_size; print(json.dumps([[r.randrange(vocab) for _ in range($n)]] * 2))" \
+    >"$s/tokens.json"
+  big=(-c "$cfg" --tokens "$s/tokens.json" --device "$DEVICE" --recompute full --baseline "--dtype bf16" --zoom)
+  started=$SECONDS
+  expect "scale8b-check-zoom-bf16-vs-fp32" 0 $M check "${big[@]}" --out "$s/bf16-vs-fp32"
+  checks="bf16-vs-fp32"
+  if grep -q "nothing to zoom into" "$LOGS/scale8b-check-zoom-bf16-vs-fp32.log"; then
+    if [ $((SECONDS - started)) -lt 240 ]; then
+      expect "scale8b-check-zoom-other-seed" 1 $M check "${big[@]}" --target "--seed 7" --out "$s/other-seed"
+      checks="$checks other-seed"
+    else
+      echo "scale8b-check-zoom-other-seed: not run, the first check took $((SECONDS - started)) s" | tee -a "$RESULTS"
+    fi
+  fi
+  for c in $checks; do
+    log=$LOGS/scale8b-check-zoom-$c.log
+    echo "== $c: wall $(awk -v n="scale8b-check-zoom-$c" '$1 == n {print $2}' "$LOGS/walls.txt") s," \
+      "disk $(du -sh "$s/$c" | cut -f1) (stats-only pass $(du -sh "$s/$c/stats-only" | cut -f1)," \
+      "zoomed pass $( [ -d "$s/$c/zoomed" ] && du -sh "$s/$c/zoomed" | cut -f1 || echo none))"
+    grep -E "^(tensors|size|time) |compared, |first divergence|zoomed: |nothing to zoom|^error" "$log"
+  done | tee "$OUTDIR/scale8b.txt"
+  cp "$LOGS"/scale8b-*.log "$OUTDIR"/ 2>/dev/null
   echo "== results"; cat "$RESULTS"
   ! grep -q FAILED "$RESULTS"
   exit

@@ -33,6 +33,7 @@ Attention = Literal["auto", "local", "torch", "te"]
 LossNorm = Literal["global", "local"]
 GradSource = Literal["auto", "grad", "main_grad", "shard"]
 Launcher = Literal["torchrun", "none"]
+Recompute = Literal["none", "full", "selective"]
 
 FLAG = "flag"  # the metadata key of a field's Flag
 
@@ -156,6 +157,12 @@ class Numerics:
                                  help="global: divide the summed token loss by the valid-token count over all CP "
                                       "ranks (right). local: by each rank's own count (the classic CP bug: gradients "
                                       "scale by about CP).")
+    recompute: Recompute = option("none", "--recompute", backward_only=True,
+                                  help="megatron's activation recomputation (recompute_granularity), as runs too "
+                                       "big for their activations use it: full recomputes every layer in backward "
+                                       "(recompute_method uniform, one layer a unit), selective its core attention "
+                                       "(recompute_modules core_attn, megatron's default). Every tensor is still "
+                                       "dumped once, under the name it has without recomputation.")
     grad_source: GradSource = option("auto", "--grad-source", backward_only=True,
                                      help="Where parameter gradients are read: auto = .grad, falling back to DDP's "
                                           "main_grad (gathered from the shards under --distributed-optimizer). grad "

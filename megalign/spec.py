@@ -20,7 +20,7 @@ import yaml
 from megalign.dump.layout import Layout  # noqa: F401 (the run's layout: RunSpec.layout; re-exported)
 from megalign.errors import UserError, is_int, is_number, read_user_text
 from megalign.options import (Attention, Batch, Dtype, GradSource, Launch, LossNorm, Mode, MoeDispatcher, Numerics,
-                              Output, PackedSplit, Parallelism)
+                              Output, PackedSplit, Parallelism, Recompute)
 
 # megatron parameters whose rows are the vocabulary: padded when TP does not divide vocab_size.
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -330,6 +330,7 @@ class RunSpec:
     attention: Attention = Numerics.attention
     loss_norm: LossNorm = Numerics.loss_norm
     grad_source: GradSource = Numerics.grad_source
+    recompute: Recompute = Numerics.recompute
     filter: Optional[str] = Output.filter
     stats_only: bool = Output.stats_only
     dump_only: Optional[str] = Output.dump_only

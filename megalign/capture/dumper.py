@@ -50,6 +50,7 @@ from megalign.capture.dtensor import is_dtensor, local_piece
 from megalign.capture.grad_reads import GradReads
 from megalign.capture.hooks import Hooks
 from megalign.capture.megatron_router import expert_bias_update
+from megalign.capture.recompute import AwaitingGradients, recomputing
 from megalign.capture.reducers import Reducers, Stated, check_stated
 from megalign.capture.rows import RowLog, rows_meta
 from megalign.capture.steps import Steps, choose_steps
@@ -67,6 +68,11 @@ from megalign.errors import UserError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+# What backward makes: recorded whenever it comes. Anything else recorded while a forward is
+# recomputed (an activation, a router's decisions) was recorded in its first forward.
+_GRADIENTS = frozenset({Kind.ACTIVATION_GRAD, Kind.PARAM_GRAD})
 
 
 class Dumper:
@@ -142,6 +148,7 @@ class Dumper:
         self._row_log = RowLog()
         self._row_logs: dict[int, RowLog] = {}
         self._step_now: Optional[int] = None
+        self._awaiting = AwaitingGradients()  # outputs recorded under recomputation's no_grad (recompute.py)
         self._packed = False
         self._cp_split = "document"
         self._steps: list[int] = []
@@ -215,7 +222,7 @@ class Dumper:
         check_storable(kind, name, tensor)
         if sharding is not None and sharding.partial is not None:
             check_partial(sharding, f"{kind} {name}")
-        if not self._writing:
+        if not self._writing or (kind not in _GRADIENTS and recomputing()):  # recorded in the first forward
             return
         if is_dtensor(tensor):
             if sharding not in (None, Sharding()):
@@ -235,13 +242,23 @@ class Dumper:
         its gradient as activation_grad when backward reaches it. A leaf, a parameter the module
         returns as it is (megatron's linears return their skipped bias so), gets no gradient: that
         is the parameter's, summed over this rank's tokens only, whole in param_grad. The gradient
-        takes this call's place among the name's repeats, however late backward reaches it.
+        takes this call's place among the name's repeats, however late backward reaches it. A call
+        that recomputes an activation (capture/recompute.py) records only its gradient, in the place
+        of the call it recomputes.
         `grad_sharding`: the gradient's, where it lies otherwise (partial sums of a replica output)."""
         view = view or (lambda t: t)
-        call = len(self.records)  # the order this call's output is recorded at
-        if self.wants(kind, name):
-            self.add(kind, name, view(tensor), sharding, module=module)
-        if grad and tensor.requires_grad and not tensor.is_leaf and self.wants(Kind.ACTIVATION_GRAD, name):
+        grad = grad and self.wants(Kind.ACTIVATION_GRAD, name)
+        if recomputing():
+            call = self._awaiting.recomputed(name) if grad else None
+            if call is None:
+                return
+        else:
+            call = len(self.records)  # the order this call's output is recorded at
+            if self.wants(kind, name):
+                self.add(kind, name, view(tensor), sharding, module=module)
+            if grad and not torch.is_grad_enabled():
+                self._awaiting.wait(name, call)
+        if grad and tensor.requires_grad and not tensor.is_leaf:
             def on_grad(gradient: Optional[torch.Tensor]) -> None:
                 if gradient is not None:
                     self._check_open("add")
@@ -276,6 +293,8 @@ class Dumper:
         and `.weights`, [s, b, topk]; not its logits). Routers whose expert_bias megatron's
         finalize_model_grads moves after every step are said so in dump.json (their update rate), which
         compare reports beside the dump: a stack that keeps the bias routes otherwise from the next step.
+        Under activation recomputation (megatron-core's, torch's checkpoint) each output and its gradient
+        are recorded once, as without it (capture/recompute.py).
 
         Any other module: `batch_dim` is the outputs' batch dim, split over DP ranks (None: every rank
         computes the same outputs); an output is split only where it has as many rows there as the
@@ -417,6 +436,7 @@ class Dumper:
         if self._writing:
             self._marks.append([n, len(self.records)])
         self._reads.begin_step()
+        self._awaiting.clear()
         try:
             yield
         except BaseException as error:

@@ -90,6 +90,18 @@ def check_distributed_optimizer(config: RunConfig) -> None:
         raise UserError("--grad-source shard reads the distributed optimizer's shard: it needs --distributed-optimizer")
 
 
+def check_recompute(config: RunConfig) -> None:
+    """megatron recomputes only in training (TransformerBlock checks self.training), and only its own layers."""
+    recompute = config.numerics.recompute
+    if recompute == "none":
+        return
+    if config.mode != "backward":
+        raise UserError(f"--recompute {recompute} recomputes activations in backward: it needs backward, not forward")
+    if config.source.stack != "megatron":
+        raise UserError(f"--recompute {recompute} is megatron-core's activation recomputation: it needs "
+                        "--stack megatron")
+
+
 def check_stack(config: RunConfig) -> None:
     stack, p = config.source.stack, config.parallel
     if stack == "megatron":
@@ -125,6 +137,7 @@ def plan_run(config: RunConfig) -> RunSpec:
         raise UserError("--overwrite cannot be used with --launcher none (ranks would race to clear "
                         "the folder); remove --out first")
     check_stack(config)
+    check_recompute(config)
     check_checkpoints(config)
     model = resolve_model(config)
     p, numerics, output = config.parallel, config.numerics, config.output
@@ -159,6 +172,7 @@ def plan_run(config: RunConfig) -> RunSpec:
                    seq_len=seq_len,
                    device=resolve_device(numerics.device), dtype=numerics.dtype, seed=numerics.seed,
                    attention=numerics.attention, loss_norm=numerics.loss_norm, grad_source=numerics.grad_source,
+                   recompute=numerics.recompute,
                    filter=output.filter, stats_only=output.stats_only, dump_only=output.dump_only,
                    timeout_s=timeout_s,
                    distributed_optimizer=p.distributed_optimizer, hf=str(config.source.hf) if config.source.hf else None,

@@ -14,4 +14,5 @@ def run_meta(spec: RunSpec, elapsed_s: float, stack: str = "megatron", **extra) 
         "seq_len": spec.seq_len, "num_sequences": len(spec.tokens), "packed": spec.packed, "seed": spec.seed,
         "loss_norm": spec.loss_norm, "attention": spec.attention, "stats_only": spec.stats_only or bool(spec.dump_only),
         **({"dump_only": spec.dump_only} if spec.dump_only else {}),
+        **({"recompute": spec.recompute} if spec.recompute != "none" else {}),
         "filter": spec.filter, "hf_checkpoint": spec.hf, "elapsed_s": round(elapsed_s, 3)}, **extra)

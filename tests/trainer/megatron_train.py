@@ -34,6 +34,10 @@ Planted bug: `--bug cp-local-mean`, calculate_per_token_loss left at megatron's 
 schedule divides each rank's sum by its own count and DDP averages over DP x CP, the classic CP bug
 where the CP ranks hold uneven shares of the loss mask.
 
+`--recompute`: megatron's full activation recomputation, one layer a unit (recompute_granularity full,
+recompute_method uniform), as a run too big for its activations trains: each layer's forward runs
+again in backward, and the dump must hold what a run without it holds.
+
 `--moe`: a mixture of experts in every layer (megatron-core's MoE layer spec: 4 experts, top-2, no
 load-balancing loss), `--ep N` splitting them over N expert-parallel ranks (each holds 4/N experts,
 `local_experts.0` on every rank), `--etp M` over M expert TP ranks (megatron's default: TP; under TP,
@@ -86,6 +90,7 @@ parser.add_argument("--stats-only", action="store_true")
 parser.add_argument("--clip", type=float)
 parser.add_argument("--packed", action="store_true")
 parser.add_argument("--half-vocab", action="store_true")
+parser.add_argument("--recompute", action="store_true")
 parser.add_argument("--loss", choices=["own", "megatron"], default="own")
 parser.add_argument("--bug", choices=["local-tokens", "local-clip", "row-split", "zero-embedding-grad",
                                       "local-names", "local-experts", "cp-local-mean"])
@@ -101,6 +106,8 @@ tensor_parallel.model_parallel_cuda_manual_seed(1234)
 VOCAB, SEQ, BATCH, LAYERS, EXPERTS = 64, 16, 2, 2, 4
 moe = dict(num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=48, moe_router_load_balancing_type="none",
            expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp) if args.moe else {}
+recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+    if args.recompute else {}
 if args.expert_bias:  # DeepSeek-V3's router, its bias moved by finalize_model_grads at megatron's default rate
     moe.update(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
 config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, add_bias_linear=False,
@@ -110,7 +117,7 @@ config = TransformerConfig(num_layers=LAYERS, hidden_size=32, num_attention_head
                            hidden_dropout=0.0, attention_dropout=0.0,
                            calculate_per_token_loss=args.bug != "cp-local-mean",
                            bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-                           bias_dropout_fusion=False, gradient_accumulation_fusion=False, **moe)
+                           bias_dropout_fusion=False, gradient_accumulation_fusion=False, **moe, **recompute)
 layer = get_gpt_layer_local_spec(num_experts=EXPERTS if args.moe else None, moe_grouped_gemm=False)
 layer.submodules.self_attention.submodules.core_attention = ZigzagCPAttention
 layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = SequenceParallelNorm

@@ -72,14 +72,15 @@ def test_dumps_of_other_steps_are_compared_on_the_step_both_hold(dumps):
 
 @pytest.fixture(scope="module")
 def megatron_loss_dumps(tmp_path_factory) -> dict[str, Path]:
-    """Steps 0 and 1 with megatron's own loss convention (--loss megatron): one process, CP=2, DP=2,
-    and CP=2 with calculate_per_token_loss left at megatron's default (cp-local-mean). Three at once."""
+    """Steps 0 and 1 with megatron's own loss convention (--loss megatron): one process, CP=2, DP=2
+    under full activation recomputation (each layer's forward again in backward: recorded once), and
+    CP=2 with calculate_per_token_loss left at megatron's default (cp-local-mean). Three at once."""
     root = tmp_path_factory.mktemp("megatron_loss")
     made = {name: root / name for name in ("one", "cp2", "dp2", "cp2_local_mean")}
     loss = ("--loss", "megatron")
     finish(start(made["one"], *loss, script=SCRIPT, steps="0,1", ranks=1),
            start(made["cp2"], "--cp", "2", *loss, script=SCRIPT, steps="0,1"),
-           start(made["dp2"], "--cp", "1", *loss, script=SCRIPT, steps="0,1"))
+           start(made["dp2"], "--cp", "1", *loss, "--recompute", script=SCRIPT, steps="0,1"))
     finish(start(made["cp2_local_mean"], "--cp", "2", *loss, "--bug", "cp-local-mean", script=SCRIPT, steps="0,1"))
     return made
 
@@ -88,7 +89,8 @@ def megatron_loss_dumps(tmp_path_factory) -> dict[str, Path]:
 def test_megatrons_own_loss_convention_agrees_with_one_process(megatron_loss_dumps, run):
     """The loss function returns the rank's token-loss sum and count; finalize_model_grads divides the
     summed gradients by the step's token count, which the Dumper records (grad_reduction.per_step), and
-    compare divides the activation gradients by it."""
+    compare divides the activation gradients by it. DP=2 recomputes every layer: the same 198 records,
+    none again as `name@1`."""
     reduction = megalign.open(megatron_loss_dumps[run]).meta["grad_reduction"]
     assert reduction == {"divide_by": 1.0, "by": "megatron DDP, per-token loss", "per_step": {"0": 19.0, "1": 19.0}}
     result = invoke("compare", megatron_loss_dumps["one"], megatron_loss_dumps[run])

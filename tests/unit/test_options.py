@@ -32,7 +32,7 @@ def test_runspec_fields_named_as_options_have_their_types_and_defaults():
     # Resolved from their options: a str for a Path, the token ids, the padded length, cpu or cuda for auto.
     resolved = ("out", "hf", "load", "save", "tokens", "seq_len", "device")
     shared = [f for f in dataclasses.fields(RunSpec) if f.name in options and f.name not in resolved]
-    assert len(shared) == 13, [f.name for f in shared]
+    assert len(shared) == 14, [f.name for f in shared]
     for f in shared:
         option, hint = options[f.name]
         assert (hints[f.name], f.default) == (hint, option.default), f.name

@@ -8,6 +8,7 @@ same numbers. `load_weights` is the one place a parameter's shard is worked out.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -48,7 +49,7 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         use_cpu_initialization=True, perform_initialization=False,
         # The loss function normalises (see loss.py), so megatron must neither average nor rescale.
         calculate_per_token_loss=True,
-        **_moe_config(spec), **mla,
+        **_moe_config(spec), **mla, **_recompute_config(spec),
         # Fusions go through torch.compile (about 20 s cold) and are not what is being compared.
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         bias_dropout_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
@@ -58,6 +59,15 @@ def transformer_config(spec: RunSpec) -> TransformerConfig:
         for name, value in _yarn(model).items():
             setattr(config, f"yarn_{name}", value)
     return config
+
+
+def _recompute_config(spec: RunSpec) -> dict:
+    """--recompute as Megatron-LM's --recompute-* flags set it: full, one layer a checkpointed unit."""
+    if spec.recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if spec.recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return {}
 
 
 def _activation(model: ModelConfig):
@@ -180,7 +190,21 @@ def _mixed_block_spec(spec: RunSpec, config: TransformerConfig, backend: str):
 
 def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
     vocab = spec.model.padded_vocab_size(spec.layout.tp)
-    model = GPTModel(
+    # On a GPU the parameters are made there (torch's default device): allocated in host memory first,
+    # an 8B model's 32 GB of fp32 pages would be touched, then copied. What megatron computes on the CPU
+    # on purpose (RoPE's inv_freq, device="cpu") stays there, as in a CPU run.
+    on_device = torch.device("cuda", torch.cuda.current_device()) if spec.device == "cuda" else contextlib.nullcontext()
+    with on_device:
+        model = _gpt_model(spec, config, vocab)
+    if spec.device == "cuda":
+        model.cuda(torch.cuda.current_device())
+    if vocab > spec.model.vocab_size and model.post_process:
+        model.output_layer.register_forward_hook(mask_vocab_padding(spec.model.vocab_size))
+    return model
+
+
+def _gpt_model(spec: RunSpec, config: TransformerConfig, vocab: int) -> GPTModel:
+    return GPTModel(
         config=config, transformer_layer_spec=layer_spec(spec, config), vocab_size=vocab,
         max_sequence_length=spec.model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
@@ -191,11 +215,6 @@ def build_model(spec: RunSpec, config: TransformerConfig) -> GPTModel:
         rotary_percent=spec.model.rotary_percent,
         parallel_output=True,
     )
-    if spec.device == "cuda":
-        model.cuda(torch.cuda.current_device())
-    if vocab > spec.model.vocab_size and model.post_process:
-        model.output_layer.register_forward_hook(mask_vocab_padding(spec.model.vocab_size))
-    return model
 
 
 # Buffers that are part of the model's weights: DeepSeek-V3's and GLM-4.5's expert bias picks the experts.

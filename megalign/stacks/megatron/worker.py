@@ -94,6 +94,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     weights_s = time.monotonic() - weights_from
     emit("built", rank)
     _inject_fault(rank)
+    _plant_recompute_fault(model)
 
     backward = spec.mode == "backward"
     rows = batch_rows(spec)
@@ -196,6 +197,24 @@ def _inject_fault(rank: int) -> None:
         raise RuntimeError(f"fault injected by MEGALIGN_FAULT={fault}")
     if kind == "hang":
         time.sleep(10 ** 6)
+
+
+def _plant_recompute_fault(model) -> None:
+    """MEGALIGN_FAULT=recompute-differs@L scales layer L's core attention output (this stage's layer L)
+    by 1.001 in its recomputed forward only (--recompute full and selective both recompute it), as a
+    recomputation that does not replay its first forward (an RNG state or a buffer not restored)
+    computes otherwise: how the tests plant a difference that no activation shows, only the gradients
+    backward takes through the recomputed layer."""
+    from megalign.capture.recompute import recomputing
+
+    kind, _, layer = os.environ.get("MEGALIGN_FAULT", "").partition("@")
+    if kind != "recompute-differs":
+        return
+
+    def planted(module, inputs, output):
+        return output * 1.001 if recomputing() else output
+
+    model.get_submodule(f"decoder.layers.{layer}.self_attention.core_attention").register_forward_hook(planted)
 
 
 def _rows_read(rank: int, dp_rank: int) -> int:
