@@ -106,12 +106,12 @@ def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def device_sketch(x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """The sketch of flat `x` (its rows of len(cols), each at base[r] + cols; both on x's device) with
-    torch's ops, [K] float64, queued without waiting: ROWS_AT_ONCE elements at a time, whatever the
-    rows' length (a 1-D tensor is one row), each element hashed, its signed value added into its
-    bucket. Eager ops, about twenty-five kernels a block; a fused kernel is a later step."""
-    out = torch.zeros(K, dtype=torch.float64, device=x.device)
+def device_sketch(x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The sketch of flat `x` (its rows of len(cols), each at base[r] + cols; both on x's device) added
+    into `out` ([K] float64 on x's device) with torch's ops, queued without waiting: ROWS_AT_ONCE
+    elements at a time, whatever the rows' length (a 1-D tensor is one row), each element hashed, its
+    signed value added into its bucket. The device's path where its Triton kernel cannot run
+    (device_kernels.py takes it in the statistics' own pass): about twenty-five kernels a block."""
     width = cols.numel()
     for start in range(0, x.numel(), ROWS_AT_ONCE):
         block = x[start:start + ROWS_AT_ONCE].double()
@@ -121,4 +121,3 @@ def device_sketch(x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> to
         signed = torch.where(torch.isfinite(block), signed, 0.0)
         out.index_add_(0, h & (K - 1), signed)
     return out
-

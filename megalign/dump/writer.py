@@ -28,8 +28,8 @@ from megalign.dump.sharding import Sharding
 from megalign.dump.pinned import PinnedBuffers
 from megalign.dump.layout import Layout
 from megalign.dump.placement import positions
-from megalign.dump.sketch import device_sketch, rows_and_cols
-from megalign.dump.stats import SUMMARY, SummaryBatch, TensorStats, host_summary, summable
+from megalign.dump.sketch import rows_and_cols
+from megalign.dump.stats import SUMMARY, SummaryBatch, TensorStats, host_summary
 from megalign.dump.tensorfile import STORED, unstorable, write_file
 
 # One thread writes into the page cache at about one core's copy speed; files written side by side go
@@ -77,7 +77,6 @@ class RankWriter:
         # --stats-only on a device: summaries queued behind the step's kernels, read back in batches
         # (one copy and one event each, filled in by a writing thread), the run never waiting on them.
         self._summarized: list[TensorRecord] = []
-        self._sketches: list[torch.Tensor] = []  # theirs, queued on the device alike
         self._unless_zero: list[TensorRecord] = []
         self._left_out: set[int] = set()  # orders of records left out
         self._stats: list[Future] = []
@@ -123,8 +122,7 @@ class RankWriter:
                 # against 3.0x so, bench_trainer.py on 2 cores).
                 record.stats, record.sketch = host_summary(tensor, base, cols)
             else:
-                self.summaries.add(tensor)
-                self._sketches.append(device_sketch(summable(tensor.reshape(-1)), base, cols))
+                self.summaries.add(tensor, base, cols)
                 self._summarized.append(record)
                 if len(self._summarized) == SUMMARIES_PER_COPY:
                     self._read_summaries()
@@ -175,8 +173,7 @@ class RankWriter:
     def _read_summaries(self) -> None:
         if self._summarized:
             records, self._summarized = tuple(self._summarized), []
-            sketches, self._sketches = self._sketches, []
-            rows = torch.cat([self.summaries.take(), torch.stack(sketches)], 1)
+            rows = self.summaries.take()
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
             ready = torch.cuda.Event()
