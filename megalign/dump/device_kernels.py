@@ -49,6 +49,8 @@ Hand-written rather than torch.compile'd: a compiled function called a tensor at
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -109,13 +111,31 @@ def _bucket_sums(kept, h, biggest, SUB: tl.constexpr, SLICES: tl.constexpr):  # 
     return tl.sum(tl.reshape(sums.to(tl.float64) * unit[:, None], (SLICES, 8, 16)), 0)
 
 
+@triton.jit
+def _located_sums(kept, step, inside, biggest, first_row, first_col, inverse, base, cols, width, SUB: tl.constexpr,
+                  SLICES: tl.constexpr, WIDE: tl.constexpr):  # pragma: no cover - runs on a device
+    """_bucket_sums of a sub-block's elements, `step` on from its program's first, which is the
+    shard's (first_row, first_col); each hashed at its place in the whole."""
+    if WIDE:  # width >= ROW: at most one row further on
+        col = first_col + step
+        down = (col >= width).to(tl.int32)
+    else:  # below 2 * ROW: int32, and its row through float32
+        col = first_col.to(tl.int32) + step
+        down = ((col.to(tl.float32) + 0.5) * inverse).to(tl.int32)
+    col -= down * width
+    g = tl.load(base + first_row + down, mask=inside, other=0) + tl.load(cols + col, mask=inside, other=0)
+    x = g.to(tl.uint64, bitcast=True) + SEED
+    x = (x ^ (x >> 30)) * M1
+    x = (x ^ (x >> 27)) * M2
+    return _bucket_sums(kept, x ^ (x >> 31), biggest, SUB, SLICES)
+
+
 # The seven reductions in one (tl.reduce of a tuple): 2.66 TB/s on an H100's float32, 93% of torch's
 # sum, and 1.25 on bfloat16; seven tl.sum and tl.min apart, 2.07 and 0.85 (one H100 call, docs/gpu.md).
 # Not specialised on the sizes (Triton would compile anew for each of 1, multiples of 16 and the rest).
 @triton.jit(do_not_specialize=["numel", "first", "width", "slot"])
-def _row_stats(x, numel, table, first, base, cols, width, sketch, slot,
-               ROW: tl.constexpr, SUB: tl.constexpr, SLICES: tl.constexpr, WIDE: tl.constexpr,
-               ):  # pragma: no cover - runs on a device
+def _row_stats(x, numel, table, first, base, cols, width, sketch, slot, ROW: tl.constexpr, SUB: tl.constexpr,
+               SLICES: tl.constexpr, WIDE: tl.constexpr, SKETCH: tl.constexpr):  # pragma: no cover - runs on a device
     row = tl.program_id(0).to(tl.int64)
     start = row * ROW
     first_row = start // width
@@ -136,20 +156,10 @@ def _row_stats(x, numel, table, first, base, cols, width, sketch, slot,
              tl.where(finite, value, -float("inf")), (inside & (value != value)).to(tl.float32),
              finite.to(tl.float32)), 0, _combine)
         total, sum_sq, abs_sum, low, high, nan, count = _combine(total, sum_sq, abs_sum, low, high, nan, count, *part)
-        if WIDE:  # width >= ROW: at most one row further on
-            col = first_col + step
-            down = (col >= width).to(tl.int32)
-        else:  # below 2 * ROW: int32, and its row through float32
-            col = first_col.to(tl.int32) + step
-            down = ((col.to(tl.float32) + 0.5) * inverse).to(tl.int32)
-        col -= down * width
-        g = tl.load(base + first_row + down, mask=inside, other=0) + tl.load(cols + col, mask=inside, other=0)
-        x64 = g.to(tl.uint64, bitcast=True) + SEED
-        x64 = (x64 ^ (x64 >> 30)) * M1
-        x64 = (x64 ^ (x64 >> 27)) * M2
-        h = x64 ^ (x64 >> 31)
-        biggest = tl.maximum(tl.maximum(-part[3], part[4]), 1e-30)  # none or all zero: any scale sums them
-        buckets += _bucket_sums(kept, h, biggest, SUB, SLICES)
+        if SKETCH:
+            biggest = tl.maximum(tl.maximum(-part[3], part[4]), 1e-30)  # none or all zero: any scale sums them
+            buckets += _located_sums(kept, step, inside, biggest, first_row, first_col, inverse, base, cols, width,
+                                     SUB, SLICES, WIDE)
     padding = tl.maximum((row + 1) * ROW - numel, 0).to(tl.float32)
     out = table + (first + row) * 7
     tl.store(out, total)
@@ -159,19 +169,22 @@ def _row_stats(x, numel, table, first, base, cols, width, sketch, slot,
     tl.store(out + 4, high)
     tl.store(out + 5, nan + padding)
     tl.store(out + 6, count)
-    where = sketch + slot * 128 + tl.arange(0, 8)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    tl.atomic_add(where, buckets, sem="relaxed")
+    if SKETCH:
+        tl.atomic_add(sketch + slot * 128 + tl.arange(0, 8)[:, None] * 16 + tl.arange(0, 16)[None, :], buckets,
+                      sem="relaxed")
 
 
-def reduce_rows(x: torch.Tensor, table: torch.Tensor, first: int, row: int, base: torch.Tensor, cols: torch.Tensor,
-                sketch: torch.Tensor, slot: int) -> None:
+def reduce_rows(x: torch.Tensor, table: torch.Tensor, first: int, row: int,
+                located: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> None:
     """The rows of `row` elements of flat `x` (ceil(numel / row) of them) reduced into table[first:], each row: the
     sum, sum of squares and sum of absolute values of its finite values, their min and max (+inf and
     -inf where none), its NaN count, the elements past x's end counted as NaN as the staged rows'
-    padding is, and its finite count; and x's finite values added into sketch[slot] ([K] float64),
-    x's element (r, c) (its rows of len(cols)) at base[r] + cols[c] in the whole (int64 on x's device)."""
+    padding is, and its finite count; and, with `located` (base, cols, sketch, slot), x's finite
+    values added into sketch[slot] ([K] float64), x's element (r, c) (its rows of len(cols)) at
+    base[r] + cols[c] in the whole (int64 on x's device). None: the statistics alone
+    (bench/bench_sketch.py's baseline)."""
     rows = -(-x.numel() // row)
+    base, cols, sketch, slot = located or (table, table[:1], table, 0)  # not read without the sketch
     if rows:
-        _row_stats[(rows,)](x, x.numel(), table, first, base, cols, cols.numel(), sketch, slot,
-                            ROW=row, SUB=SUB, SLICES=SLICES, WIDE=cols.numel() >= row, num_warps=8)
-
+        _row_stats[(rows,)](x, x.numel(), table, first, base, cols, cols.numel(), sketch, slot, ROW=row, SUB=SUB,
+                            SLICES=SLICES, WIDE=cols.numel() >= row, SKETCH=located is not None, num_warps=8)

@@ -268,7 +268,7 @@ class SummaryBatch:
             self._table = torch.empty(max(self.rows, rows), 7, dtype=torch.float32, device=x.device)
         try:
             # the staged rows' width: both ways give the same rows
-            reduce(x, self._table, self._filled, ROW, base, cols, self._sketches[-1], owner % SKETCHES)
+            reduce(x, self._table, self._filled, ROW, (base, cols, self._sketches[-1], owner % SKETCHES))
         except Exception as error:  # a Triton that cannot compile here: the same values, staged
             _give_up(error)
             return False
