@@ -133,11 +133,10 @@ def _located_sums(kept, step, inside, biggest, first_row, first_col, inverse, ba
 # The seven reductions in one (tl.reduce of a tuple): 2.66 TB/s on an H100's float32, 93% of torch's
 # sum, and 1.25 on bfloat16; seven tl.sum and tl.min apart, 2.07 and 0.85 (one H100 call, docs/gpu.md).
 # Not specialised on the sizes (Triton would compile anew for each of 1, multiples of 16 and the rest).
-@triton.jit(do_not_specialize=["numel", "first", "width", "slot"])
-def _row_stats(x, numel, table, first, base, cols, width, sketch, slot, ROW: tl.constexpr, SUB: tl.constexpr,
-               SLICES: tl.constexpr, WIDE: tl.constexpr, SKETCH: tl.constexpr):  # pragma: no cover - runs on a device
-    row = tl.program_id(0).to(tl.int64)
-    start = row * ROW
+@triton.jit
+def _reduce_row(x, numel, start, base, cols, width, ROW: tl.constexpr, SUB: tl.constexpr, SLICES: tl.constexpr,
+                WIDE: tl.constexpr, SKETCH: tl.constexpr):  # pragma: no cover - runs on a device
+    """A row's seven statistics and its [8, 16] bucket sums (zero without SKETCH), SUB elements at a time."""
     first_row = start // width
     first_col = start - first_row * width
     inverse = 1.0 / width.to(tl.float32)
@@ -160,7 +159,28 @@ def _row_stats(x, numel, table, first, base, cols, width, sketch, slot, ROW: tl.
             biggest = tl.maximum(tl.maximum(-part[3], part[4]), 1e-30)  # none or all zero: any scale sums them
             buckets += _located_sums(kept, step, inside, biggest, first_row, first_col, inverse, base, cols, width,
                                      SUB, SLICES, WIDE)
+    return total, sum_sq, abs_sum, low, high, nan, count, buckets
+
+
+# The seven reductions in one (tl.reduce of a tuple): 2.66 TB/s on an H100's float32, 93% of torch's
+# sum, and 1.25 on bfloat16; seven tl.sum and tl.min apart, 2.07 and 0.85 (one H100 call, docs/gpu.md).
+# Not specialised on the sizes (Triton would compile anew for each of 1, multiples of 16 and the rest).
+@triton.jit(do_not_specialize=["numel", "first", "width", "slot"])
+def _row_stats(x, numel, table, first, base, cols, width, sketch, slot, keep, ROW: tl.constexpr, SUB: tl.constexpr,
+               SLICES: tl.constexpr, WIDE: tl.constexpr, SKETCH: tl.constexpr,
+               KEEP: tl.constexpr):  # pragma: no cover - runs on a device
+    row = tl.program_id(0).to(tl.int64)
     padding = tl.maximum((row + 1) * ROW - numel, 0).to(tl.float32)
+    go = True
+    if KEEP:
+        go = tl.load(keep) != 0
+    if go:
+        total, sum_sq, abs_sum, low, high, nan, count, buckets = _reduce_row(x, numel, row * ROW, base, cols, width,
+                                                                             ROW, SUB, SLICES, WIDE, SKETCH)
+    else:  # a record thrown away: read as nothing but NaN, and no sketch
+        total, sum_sq, abs_sum, low, high, count = 0.0, 0.0, 0.0, float("inf"), -float("inf"), 0.0
+        nan = ROW - padding
+        buckets = tl.zeros((8, 16), tl.float64)
     out = table + (first + row) * 7
     tl.store(out, total)
     tl.store(out + 1, sum_sq)
@@ -175,16 +195,19 @@ def _row_stats(x, numel, table, first, base, cols, width, sketch, slot, ROW: tl.
 
 
 def reduce_rows(x: torch.Tensor, table: torch.Tensor, first: int, row: int,
-                located: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> None:
+                located: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+                keep: Optional[torch.Tensor] = None) -> None:
     """The rows of `row` elements of flat `x` (ceil(numel / row) of them) reduced into table[first:], each row: the
     sum, sum of squares and sum of absolute values of its finite values, their min and max (+inf and
     -inf where none), its NaN count, the elements past x's end counted as NaN as the staged rows'
     padding is, and its finite count; and, with `located` (base, cols, sketch, slot), x's finite
     values added into sketch[slot] ([K] float64), x's element (r, c) (its rows of len(cols)) at
     base[r] + cols[c] in the whole (int64 on x's device). None: the statistics alone
-    (bench/bench_sketch.py's baseline)."""
+    (bench/bench_sketch.py's baseline). `keep`: a bool on the device; where false, x is not read and
+    its rows read as NaN, its sketch as zero (a record the writer throws away: grad_reads.py)."""
     rows = -(-x.numel() // row)
     base, cols, sketch, slot = located or (table, table[:1], table, 0)  # not read without the sketch
     if rows:
-        _row_stats[(rows,)](x, x.numel(), table, first, base, cols, cols.numel(), sketch, slot, ROW=row, SUB=SUB,
-                            SLICES=SLICES, WIDE=cols.numel() >= row, SKETCH=located is not None, num_warps=8)
+        _row_stats[(rows,)](x, x.numel(), table, first, base, cols, cols.numel(), sketch, slot,
+                            table if keep is None else keep, ROW=row, SUB=SUB, SLICES=SLICES,
+                            WIDE=cols.numel() >= row, SKETCH=located is not None, KEEP=keep is not None, num_warps=8)

@@ -208,9 +208,12 @@ class SummaryBatch:
         self._sketches: list[torch.Tensor] = []  # [SKETCHES, K] float64, zeroed: tensor i's sketch in row i
         self._tensors = 0  # added since the last take
 
-    def add(self, tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> None:
+    def add(self, tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
+            keep: Optional[torch.Tensor] = None) -> None:
         """A detached tensor (the writer's), its element (r, c) (its last dim the columns) at
-        base[r] + cols[c] in the whole (sketch.rows_and_cols, on its device)."""
+        base[r] + cols[c] in the whole (sketch.rows_and_cols, on its device). `keep`: a bool on the
+        device, false where its record will be thrown away: the kernel then skips it, and it reads as
+        nothing but NaN (the other ways take it whatever the flag)."""
         x = summable(tensor.reshape(-1))
         owner, self._tensors = self._tensors, self._tensors + 1
         sketch = self._sketch_row(owner, x.device)
@@ -222,7 +225,7 @@ class SummaryBatch:
             self._pieces.append((owner, n, rows))
             device_sketch(x, base, cols, sketch)
             return
-        if self.fused and runs_here(x) and self._reduce_in_place(owner, x, base, cols):
+        if self.fused and runs_here(x) and self._reduce_in_place(owner, x, base, cols, keep):
             return
         device_sketch(x, base, cols, sketch)
         size = self.rows * ROW
@@ -251,7 +254,8 @@ class SummaryBatch:
             self._sketches.append(torch.zeros(SKETCHES, K, dtype=torch.float64, device=device))
         return self._sketches[owner // SKETCHES][owner % SKETCHES]
 
-    def _reduce_in_place(self, owner: int, x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> bool:
+    def _reduce_in_place(self, owner: int, x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
+                         keep: Optional[torch.Tensor]) -> bool:
         """x's rows into the table and its sketch into its row by the Triton kernel; False where there
         is none (it stages them)."""
         reduce = _kernel()
@@ -268,7 +272,7 @@ class SummaryBatch:
             self._table = torch.empty(max(self.rows, rows), 7, dtype=torch.float32, device=x.device)
         try:
             # the staged rows' width: both ways give the same rows
-            reduce(x, self._table, self._filled, ROW, (base, cols, self._sketches[-1], owner % SKETCHES))
+            reduce(x, self._table, self._filled, ROW, (base, cols, self._sketches[-1], owner % SKETCHES), keep)
         except Exception as error:  # a Triton that cannot compile here: the same values, staged
             _give_up(error)
             return False

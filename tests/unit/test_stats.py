@@ -6,6 +6,7 @@ gives host_summary's statistics and sketch wherever it runs (a GPU, or Triton's 
 import math
 import os
 import warnings
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -31,13 +32,14 @@ def whole(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return rows_and_cols(tuple(x.shape), [torch.arange(n) for n in x.shape], x.device)
 
 
-def summaries(tensors: list[torch.Tensor], rows: int = 8, fused: bool = False, located: list = ()) -> list[dict]:
+def summaries(tensors: list[torch.Tensor], rows: int = 8, fused: bool = False, located: list = (),
+              keep: Optional[torch.Tensor] = None) -> list[dict]:
     """Each tensor's statistics through a SummaryBatch of `rows` rows of 4096, read back, and its
-    sketch (`sketch`), each at its `located` positions (else as the whole)."""
+    sketch (`sketch`), each at its `located` positions (else as the whole), each added with `keep`."""
     batch = SummaryBatch(rows)
     batch.fused = fused
     for x, where in zip(tensors, [*located, *map(whole, tensors[len(located):])], strict=True):
-        batch.add(x, *where)
+        batch.add(x, *where, keep)
     taken = batch.take().cpu()
     assert batch.take() is None and taken.shape[1] == SUMMARY + K  # taken once
     return [{**TensorStats.from_summary(x.numel(), row[:SUMMARY].tolist()).to_dict(), "sketch": row[SUMMARY:].numpy()}
@@ -112,7 +114,9 @@ def test_the_triton_kernel_gives_the_hosts_statistics_and_sketch():
     fill, shards at columns out of order as wide as a row or wider (a row's elements in two of its
     rows) and narrower (in many), float32, bfloat16 and float16, empty, one element and a scalar;
     its statistics and sketch are host_summary's at the same positions, the sketch to float64's
-    summation order. The twin: the same values one column further on sketch otherwise."""
+    summation order; added with a true flag, the same, with a false one (a record to be thrown away),
+    skipped: nothing but NaN, no sketch. The twin: the same values one column further on sketch
+    otherwise."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cases = [shard(torch.float32, 2, 4100, (5, 9000), 0), shard(torch.bfloat16, 3, 4096, (3, 4096), 1),
              shard(torch.float16, 7, 300, (9, 600), 2), (torch.empty(0, 5), (0, 5), [torch.arange(0), torch.arange(5)]),
@@ -122,6 +126,11 @@ def test_the_triton_kernel_gives_the_hosts_statistics_and_sketch():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a kernel that failed would be staged, with a warning
         ours = summaries(tensors, fused=True, located=located)
+        kept, skipped = (summaries(tensors[:3], fused=True, located=located[:3],
+                                   keep=torch.tensor(flag, device=device)) for flag in (True, False))
+    for summary, thrown, alone, x in zip(kept, skipped, ours, tensors):
+        assert np.allclose(summary["sketch"], alone["sketch"], rtol=1e-12, atol=0)
+        assert (thrown["nan"], thrown["sum"], np.abs(thrown["sketch"]).max()) == (x.numel(), 0.0, 0.0)
     for summary, (x, _, _), where in zip(ours, cases, located, strict=True):
         host_stats, host = host_summary(x, *(w.cpu() for w in where))
         assert stats_of(summary) == pytest.approx(host_stats.to_dict(), rel=1e-5, nan_ok=True)
