@@ -57,6 +57,7 @@ import triton.language as tl
 
 from megalign.dump.sketch import M1, M2, SEED  # and K = 128 buckets: 8 x 16 here
 
+_SEED, _M1, _M2 = tl.constexpr(SEED), tl.constexpr(M1), tl.constexpr(M2)  # what a kernel may read of a module
 SUB = 512  # elements summed by one dot: its operands, [32, SUB] and [SUB, 16] float16, are 48 KiB
 SLICES = 4  # 11-bit slices of each value: 44 bits below the sub-block's largest
 
@@ -124,9 +125,9 @@ def _located_sums(kept, step, inside, biggest, first_row, first_col, inverse, ba
         down = ((col.to(tl.float32) + 0.5) * inverse).to(tl.int32)
     col -= down * width
     g = tl.load(base + first_row + down, mask=inside, other=0) + tl.load(cols + col, mask=inside, other=0)
-    x = g.to(tl.uint64, bitcast=True) + SEED
-    x = (x ^ (x >> 30)) * M1
-    x = (x ^ (x >> 27)) * M2
+    x = g.to(tl.uint64, bitcast=True) + _SEED
+    x = (x ^ (x >> 30)) * _M1
+    x = (x ^ (x >> 27)) * _M2
     return _bucket_sums(kept, x ^ (x >> 31), biggest, SUB, SLICES)
 
 
