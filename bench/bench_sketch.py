@@ -18,7 +18,7 @@ from bench_run import positive  # bench/ is this script's own folder on sys.path
 
 from megalign.dump.device_kernels import reduce_rows
 from megalign.dump.sketch import K, device_sketch, rows_and_cols
-from megalign.dump.stats import ROW
+from megalign.dump.stats import COPIES, ROW
 
 # (name, shape): an activation's [tokens, hidden] and an MLP weight's [ffn, hidden], as bench_trainer's models.
 SHAPES = [("h1024 activation", (4 * 512, 1024)), ("h1024 weight", (4096, 1024)),
@@ -54,12 +54,12 @@ def main() -> None:
             flat = x.reshape(-1)
             base, cols = rows_and_cols(shape, [torch.arange(n) for n in shape], x.device)
             table = torch.empty(-(-x.numel() // ROW), 7, device="cuda")
-            sketch = torch.zeros(1, K, dtype=torch.float64, device="cuda")
+            sketch = torch.zeros(1, COPIES, K, dtype=torch.float64, device="cuda")
             floor = median_ms(lambda: x.sum(), args.reps)
             alone = median_ms(lambda: reduce_rows(flat, table, 0, ROW, None), args.reps)
             fused = median_ms(lambda: reduce_rows(flat, table, 0, ROW, (base, cols, sketch, 0)), args.reps)
             eager = median_ms(lambda: (reduce_rows(flat, table, 0, ROW, None),
-                                       device_sketch(flat, base, cols, sketch[0])), args.reps)
+                                       device_sketch(flat, base, cols, sketch[0, 0])), args.reps)
             print(f"{name:<18} {str(dtype).removeprefix('torch.'):<9} {alone / floor:>9.2f}x {fused / floor:>16.2f}x "
                   f"{eager / floor:>22.2f}x")
 

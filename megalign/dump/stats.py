@@ -168,7 +168,8 @@ def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, 
 
 ROW = 4096  # elements reduced together first: the rows side by side, then their results
 SUMMARY = 7  # the values of a tensor's summary (TensorStats.from_summary)
-SKETCHES = 256  # rows of a sketch table (256 KiB of float64)
+SKETCHES = 256  # tensors of a sketch table
+COPIES = 32  # copies of a tensor's buckets in it, which the Triton kernel spreads its atomic adds over (8 MiB a table)
 
 
 class SummaryBatch:
@@ -205,7 +206,7 @@ class SummaryBatch:
         self._filled = 0  # rows of the table written
         self._reduced: list[torch.Tensor] = []  # [rows, 7] statistics of every row reduced since the last take
         self._pieces: list[tuple[int, int, int]] = []  # (tensor, elements, rows) of each piece, in row order
-        self._sketches: list[torch.Tensor] = []  # [SKETCHES, K] float64, zeroed: tensor i's sketch in row i
+        self._sketches: list[torch.Tensor] = []  # [SKETCHES, COPIES, K] float64, zeroed: tensor i's in row i
         self._tensors = 0  # added since the last take
 
     def add(self, tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
@@ -243,16 +244,16 @@ class SummaryBatch:
         self._reduced, self._pieces, self._tensors, self._sketches = [], [], 0, []
         if not count:
             return None
-        sketched = torch.cat(sketches)[:count] if len(sketches) > 1 else sketches[0][:count]
+        sketched = (torch.cat(sketches) if len(sketches) > 1 else sketches[0])[:count].sum(1)
         per_row = torch.cat(reduced).double() if reduced else sketched.new_zeros(0, 7)  # none: all empty
         return torch.cat([_summaries(per_row, pieces, count), sketched], 1)
 
     def _sketch_row(self, owner: int, device: torch.device) -> torch.Tensor:
-        """Tensor `owner`'s row of the sketch tables, zero: a table of SKETCHES rows at a time, one
-        fill for them all rather than one a tensor."""
+        """Tensor `owner`'s first copy of its buckets in the sketch tables, zero: a table of SKETCHES
+        tensors at a time, one fill for them all rather than one a tensor."""
         if owner // SKETCHES == len(self._sketches):
-            self._sketches.append(torch.zeros(SKETCHES, K, dtype=torch.float64, device=device))
-        return self._sketches[owner // SKETCHES][owner % SKETCHES]
+            self._sketches.append(torch.zeros(SKETCHES, COPIES, K, dtype=torch.float64, device=device))
+        return self._sketches[owner // SKETCHES][owner % SKETCHES, 0]
 
     def _reduce_in_place(self, owner: int, x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
                          keep: Optional[torch.Tensor]) -> bool:
