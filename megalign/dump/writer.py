@@ -79,9 +79,9 @@ class RankWriter:
         # (one copy and one event each, filled in by a writing thread), the run never waiting on them.
         self._summarized: list[TensorRecord] = []
         self._unless_zero: list[TensorRecord] = []
-        # Records kept only where their flag (a bool on the device) is true at close (kept_if), and
-        # the flag of the records being added now.
-        self._kept_if: list[tuple[int, torch.Tensor]] = []
+        # Records kept only where their flag (a bool on the device) is true at close (kept_if): the
+        # orders of each flag's, and the flag of those being added now.
+        self._kept_if: list[tuple[list[int], torch.Tensor]] = []
         self._flag: Optional[torch.Tensor] = None
         self._left_out: set[int] = set()  # orders of records left out
         self._stats: list[Future] = []
@@ -117,7 +117,7 @@ class RankWriter:
                               dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer,
                               call=call)
         if self._flag is not None:
-            self._kept_if.append((record.order, self._flag))
+            self._kept_if[-1][0].append(record.order)
         if self.stats_only and not full:
             if unless_zero:
                 self._unless_zero.append(record)
@@ -155,7 +155,8 @@ class RankWriter:
         self._left_out.update(record.order for record in self._unless_zero if record.stats.all_zero)
         if self._kept_if:  # the flags read back together, once
             kept = torch.stack([flag.to(self._kept_if[0][1].device) for _, flag in self._kept_if]).tolist()
-            self._left_out.update(order for (order, _), keep in zip(self._kept_if, kept) if not keep)
+            self._left_out.update(order for (orders, _), keep in zip(self._kept_if, kept) if not keep
+                                  for order in orders)
         # Orders kept, gaps and all.
         self.records = [record for record in self.records if record.order not in self._left_out]
         self.bytes_written = sum(done.result() for done in self._files)
@@ -172,6 +173,7 @@ class RankWriter:
         """Records added inside are kept only where `flag` (a bool, on a device: not waited for) is
         true at close; a device's statistics kernel skips them where it is false already."""
         self._flag = flag
+        self._kept_if.append(([], flag))
         try:
             yield
         finally:
