@@ -90,27 +90,37 @@ def _sketch_row(kept, finite, start, base, cols, width, buckets, ROW: tl.constex
 def _row_stats(x, numel, table, first, base, cols, width, sketch, slot, keep, ROW: tl.constexpr, WIDE: tl.constexpr,
                SKETCH: tl.constexpr, KEEP: tl.constexpr, COPIES: tl.constexpr):  # pragma: no cover - on a device
     row = tl.program_id(0).to(tl.int64)
-    at = row * ROW + tl.arange(0, ROW)
-    end = numel
-    if KEEP:  # a record to be thrown away reads nothing: every element NaN, as padding is
-        end = tl.where(tl.load(keep).to(tl.int32) != 0, numel, 0)
-    inside = at < end
-    value = tl.load(x + at, mask=inside, other=float("nan")).to(tl.float32)
-    finite = inside & (value == value) & (tl.abs(value) != float("inf"))
-    kept = tl.where(finite, value, 0.0)
-    total, sum_sq, abs_sum, low, high, nan, count = tl.reduce(
-        (kept, kept * kept, tl.abs(kept), tl.where(finite, value, float("inf")), tl.where(finite, value, -float("inf")),
-         (value != value).to(tl.float32), finite.to(tl.float32)), 0, _combine)
     out = table + (first + row) * 7
+    go = True
+    if KEEP:
+        go = tl.load(keep).to(tl.int32) != 0
+    if go:
+        at = row * ROW + tl.arange(0, ROW)
+        inside = at < numel
+        value = tl.load(x + at, mask=inside, other=float("nan")).to(tl.float32)
+        finite = inside & (value == value) & (tl.abs(value) != float("inf"))
+        kept = tl.where(finite, value, 0.0)
+        total, sum_sq, abs_sum, low, high, nan, count = tl.reduce(
+            (kept, kept * kept, tl.abs(kept), tl.where(finite, value, float("inf")),
+             tl.where(finite, value, -float("inf")), (value != value).to(tl.float32), finite.to(tl.float32)),
+            0, _combine)
+        _store(out, total, sum_sq, abs_sum, low, high, nan, count)  # the NaN: x's, and the elements past its end
+        if SKETCH:
+            _sketch_row(kept, finite, row * ROW, base, cols, width,
+                        sketch + (slot * COPIES + row % COPIES) * _K, ROW, WIDE)
+    else:  # a record to be thrown away: not read, every element NaN (as padding is), no sketch
+        _store(out, 0.0, 0.0, 0.0, float("inf"), -float("inf"), 1.0 * ROW, 0.0)
+
+
+@triton.jit
+def _store(out, total, sum_sq, abs_sum, low, high, nan, count):  # pragma: no cover - runs on a device
     tl.store(out, total)
     tl.store(out + 1, sum_sq)
     tl.store(out + 2, abs_sum)
     tl.store(out + 3, low)
     tl.store(out + 4, high)
-    tl.store(out + 5, nan)  # the elements past x's end among them
+    tl.store(out + 5, nan)
     tl.store(out + 6, count)
-    if SKETCH:
-        _sketch_row(kept, finite, row * ROW, base, cols, width, sketch + (slot * COPIES + row % COPIES) * _K, ROW, WIDE)
 
 
 def reduce_rows(x: torch.Tensor, table: torch.Tensor, first: int, row: int,

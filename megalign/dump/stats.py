@@ -129,8 +129,9 @@ def summary_of(tensor: torch.Tensor) -> tuple[TensorStats, np.ndarray]:
     base, cols = rows_and_cols(tuple(tensor.shape), [torch.arange(n) for n in tensor.shape], tensor.device)
     if tensor.device.type == "cpu":
         return host_summary(tensor, base, cols)
-    sketch = torch.zeros(K, dtype=torch.float64, device=tensor.device)
-    return TensorStats.of(tensor), device_sketch(summable(tensor.detach().reshape(-1)), base, cols, sketch).cpu().numpy()
+    sketch = device_sketch(summable(tensor.detach().reshape(-1)), base, cols,
+                           torch.zeros(K, dtype=torch.float64, device=tensor.device))
+    return TensorStats.of(tensor), sketch.cpu().numpy()
 
 
 def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
