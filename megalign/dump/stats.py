@@ -179,7 +179,8 @@ class SummaryBatch:
     into a table of [rows, 7] float32, and when the summaries are taken every row since is combined,
     in float64, into each tensor's: the sum, sum of squares and sum of absolute values of its finite
     values, their min and max, and its NaN and Inf counts (TensorStats.from_summary); beside them its
-    sketch (sketch.py), K float64 values summed into the tensor's row of a sketch table.
+    sketch (sketch.py), K float64 values: the tensor's row of a sketch table, COPIES copies of its
+    buckets summed at take.
 
     `fused` (from a training loop's second step: the kernel's compilation, about a second a dtype,
     pays off over a loop, not in a run of one step): each tensor is reduced and sketched where it
