@@ -2,8 +2,10 @@
 a weight at hidden 1024 and hidden 4096, in bf16 and float32, the median time of (a) torch's .sum()
 of the tensor, the memory-bound floor; (b) the statistics kernel alone; (c) the statistics with the
 sketch in the same pass, as SummaryBatch runs it; (d) the statistics kernel and the sketch by
-torch's ops (sketch.device_sketch, the path where the kernel cannot run). Prints each as a ratio to
-(a), never a time: one run on one card says only what that card did.
+torch's ops (sketch.device_sketch, the path where the kernel cannot run); (e) the fused kernel with
+its atomic adds spread over other numbers of copies of the buckets than stats.COPIES; (f) the
+kernel given a false flag (a #stepped read it skips). Prints each as a ratio to (a), never a time:
+one run on one card says only what that card did.
 
 usage: python bench/bench_sketch.py [--reps 20]   (needs a GPU and Triton)
 """
@@ -21,6 +23,7 @@ from megalign.dump.sketch import K, device_sketch, rows_and_cols
 from megalign.dump.stats import COPIES, ROW
 
 # (name, shape): an activation's [tokens, hidden] and an MLP weight's [ffn, hidden], as bench_trainer's models.
+OTHER_COPIES = (1, 8, 128)
 SHAPES = [("h1024 activation", (4 * 512, 1024)), ("h1024 weight", (4096, 1024)),
           ("h4096 activation", (2 * 2048, 4096)), ("h4096 weight", (14336, 4096))]
 
@@ -47,7 +50,8 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_sketch: needs a GPU")
-    print(f"{'tensor':<18} {'dtype':<9} {'stats/sum':>10} {'stats+sketch/sum':>17} {'stats+torch sketch/sum':>23}")
+    print(f"{'tensor':<18} {'dtype':<9} {'stats':>7} {'+sketch':>8} {'+torch':>8} "
+          + " ".join(f"{f'copies {n}':>10}" for n in OTHER_COPIES) + f" {'skipped':>8}   (each / .sum())")
     for name, shape in SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
             x = torch.randn(shape, device="cuda", dtype=dtype)
@@ -60,8 +64,13 @@ def main() -> None:
             fused = median_ms(lambda: reduce_rows(flat, table, 0, ROW, (base, cols, sketch, 0)), args.reps)
             eager = median_ms(lambda: (reduce_rows(flat, table, 0, ROW, None),
                                        device_sketch(flat, base, cols, sketch[0, 0])), args.reps)
-            print(f"{name:<18} {str(dtype).removeprefix('torch.'):<9} {alone / floor:>9.2f}x {fused / floor:>16.2f}x "
-                  f"{eager / floor:>22.2f}x")
+            spread = [median_ms(lambda: reduce_rows(flat, table, 0, ROW, (base, cols, other, 0)), args.reps)
+                      for other in (torch.zeros(1, n, K, dtype=torch.float64, device="cuda") for n in OTHER_COPIES)]
+            thrown = torch.zeros((), dtype=torch.bool, device="cuda")
+            skipped = median_ms(lambda: reduce_rows(flat, table, 0, ROW, (base, cols, sketch, 0), thrown), args.reps)
+            print(f"{name:<18} {str(dtype).removeprefix('torch.'):<9} {alone / floor:>6.2f}x {fused / floor:>7.2f}x "
+                  f"{eager / floor:>7.2f}x " + " ".join(f"{t / floor:>9.2f}x" for t in spread)
+                  + f" {skipped / floor:>7.2f}x")
 
 
 if __name__ == "__main__":
