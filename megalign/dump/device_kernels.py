@@ -23,8 +23,8 @@ differs), and bound by L2's atomic rate (one an L2 slice a clock, about 1.4e11 a
 over the slices) or the ALU (about 3e11 elements a second), not by memory: a few times the
 statistics' own time, expected; bench/bench_sketch.py measures it on the card. At hidden 1024 the
 statistics alone were 1.67 ms of a 35.7 ms step (docs/gpu.md, H100): a sketch 2.4x their time would
-make stats-only about 1.1x that loop, not 1.05x; at hidden 4096 the step is far longer for the same
-passes. Spread: program p
+make stats-only about 1.1x that loop, not 1.05x; at hidden 4096 the statistics cost the step about
+1% (stats-only 1.01x, H200), the sketch there a few percent more. Spread: program p
 adds into copy p % copies of its tensor's buckets (stats.COPIES of them, summed at take()), so that
 a tensor's atomics fall on many L2 slices; a single [128] slot is 1 KiB, one or two slices, and
 serialises every atomic of the tensor there.
