@@ -9,7 +9,7 @@ torch's ops was about twenty-five kernels over int64 temporaries a tensor, and s
 4.3x (hidden 4096) to 8.6x (hidden 1024) the loop (docs/gpu.md, H100).
 
 The sketch's budget. At an H100's 3.35 TB/s a bf16 element arrives every 0.6 ps, in which the card
-issues about 20 lane instructions (3.3e13 a second); the statistics alone take 43 an element
+issues about 20 lane instructions (3.3e13 a second); the statistics alone take 41 an element
 (compiled for sm_90, counted in the SASS), which is why bf16 ran at 1.25 TB/s, not 3.35. Counted
 the same way:
 - the hash (splitmix64's finalizer: two 64-bit multiplies, three 64-bit xor-shifts), the element's
@@ -22,10 +22,10 @@ So each element is added by one atomic: exact (float64, as the host's; only the 
 differs), and bound by L2's atomic rate (one an L2 slice a clock, about 1.4e11 a second if spread
 over the slices) or the ALU (about 3e11 elements a second), not by memory: a few times the
 statistics' own time, expected; bench/bench_sketch.py measures it on the card. At hidden 1024 the
-statistics alone were 1.67 ms of a 35.7 ms step (docs/gpu.md, H100): a sketch 2.4x their time would
-make stats-only about 1.1x that loop, not 1.05x; at hidden 4096 the statistics cost the step about
-1% (stats-only 1.01x, H200), the sketch there a few percent more. Spread: program p
-adds into copy p % copies of its tensor's buckets (stats.COPIES of them, summed at take()), so that
+statistics alone were 1.67 ms of a 35.7 ms step (docs/gpu.md, H100): a kernel of 2.4x their
+instructions adds about 2.3 ms, stats-only near 1.15x that loop, not 1.05x; at hidden 4096 the
+statistics cost the step about 1% (stats-only 1.01x, H200), the sketch a few percent more there.
+Spread: program p adds into copy p % copies of its tensor's buckets (stats.COPIES of them, summed at take()), so that
 a tensor's atomics fall on many L2 slices; a single [128] slot is 1 KiB, one or two slices, and
 serialises every atomic of the tensor there.
 
