@@ -141,7 +141,9 @@ class Dumper:
         # param_grad read when the reduction completes, and again as the optimizer steps (grad_reads.py)
         self._reads = GradReads(self._dump_grads, self._held_grads, self._writer.discard,
                                 lambda: self._writing and self._step_now is not None,
-                                lambda: self.layout.dp == 1 or self._reducers.reduce_in_backward())
+                                lambda: self.layout.dp == 1 or self._reducers.reduce_in_backward(),
+                                lambda now: self._writer.stats_only and self._full is None and now.device.type != "cpu",
+                                self._writer.kept_if)
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules whose outputs are watched (a model may go)
         # This DP rank's rows as the model saw them in each dumped step: its packed (THD) row, or its
         # padded rows where watch() was given seq_dim; every DP rank's, gathered at close (rows.py).

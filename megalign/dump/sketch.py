@@ -38,7 +38,7 @@ SEED = 0x6D6567616C69676E  # "megalign"
 # splitmix64's finalizer constants, and as int64 (torch has no uint64 multiply)
 M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _SIGNED = [c - (1 << 64) if c >= 1 << 63 else c for c in (SEED, M1, M2)]
-ROWS_AT_ONCE = 1 << 22  # elements hashed at a time on a device (five int64 temporaries of 32 MiB)
+ROWS_AT_ONCE = 1 << 22  # elements hashed at a time by torch's ops on a device (int64 temporaries of 32 MiB)
 
 
 def encode(values: np.ndarray) -> str:
@@ -106,19 +106,20 @@ def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def device_sketch(x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """The sketch of flat `x` (its rows of len(cols), each at base[r] + cols; both on x's device) with
-    torch's ops, [K] float64, queued without waiting: ROWS_AT_ONCE elements at a time, whatever the
-    rows' length (a 1-D tensor is one row), each element hashed, its signed value added into its
-    bucket. Eager ops, about twenty-five kernels a block; a fused kernel is a later step."""
-    out = torch.zeros(K, dtype=torch.float64, device=x.device)
+def device_sketch(x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The sketch of flat `x` (its rows of len(cols), each at base[r] + cols; both on x's device) added
+    into `out` ([K] float64 on x's device) with torch's ops, queued without waiting: the device's
+    path where its Triton kernel cannot run (device_kernels.py takes it in the statistics' own pass).
+    Whole rows at a time, ROWS_AT_ONCE elements or fewer (a longer row, a big 1-D tensor's, in
+    pieces), each element's place one broadcast add: about twenty kernels a block, where taking
+    each element's row and column by division cost five more."""
     width = cols.numel()
-    for start in range(0, x.numel(), ROWS_AT_ONCE):
-        block = x[start:start + ROWS_AT_ONCE].double()
-        flat = torch.arange(start, start + block.numel(), device=x.device)
-        h = hashes(base[flat // width] + cols[flat % width])
-        signed = torch.where(h < 0, -block, block)
-        signed = torch.where(torch.isfinite(block), signed, 0.0)
-        out.index_add_(0, h & (K - 1), signed)
+    rows, span = max(1, ROWS_AT_ONCE // max(width, 1)), min(width, ROWS_AT_ONCE)
+    matrix = x.view(-1, width) if width else x.view(0, 0)
+    for r in range(0, matrix.shape[0], rows):
+        for c in range(0, width, span):
+            block = matrix[r:r + rows, c:c + span].double().reshape(-1)
+            h = hashes((base[r:r + rows, None] + cols[None, c:c + span]).reshape(-1))
+            signed = torch.nan_to_num(block, nan=0.0, posinf=0.0, neginf=0.0) * ((h >> 63) | 1)  # NaN, Inf: none
+            out.index_add_(0, h & (K - 1), signed)
     return out
-

@@ -7,6 +7,7 @@ combined from its shards exactly as the tensor itself would be reassembled.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from dataclasses import dataclass, fields
 from typing import Callable, Iterable, Optional, Union
@@ -128,7 +129,9 @@ def summary_of(tensor: torch.Tensor) -> tuple[TensorStats, np.ndarray]:
     base, cols = rows_and_cols(tuple(tensor.shape), [torch.arange(n) for n in tensor.shape], tensor.device)
     if tensor.device.type == "cpu":
         return host_summary(tensor, base, cols)
-    return TensorStats.of(tensor), device_sketch(summable(tensor.detach().reshape(-1)), base, cols).cpu().numpy()
+    sketch = device_sketch(summable(tensor.detach().reshape(-1)), base, cols,
+                           torch.zeros(K, dtype=torch.float64, device=tensor.device))
+    return TensorStats.of(tensor), sketch.cpu().numpy()
 
 
 def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None
@@ -166,24 +169,29 @@ def _host_stats(x: torch.Tensor, sketch: Optional[tuple[np.ndarray, np.ndarray, 
 
 ROW = 4096  # elements reduced together first: the rows side by side, then their results
 SUMMARY = 7  # the values of a tensor's summary (TensorStats.from_summary)
+SKETCHES = 256  # tensors of a sketch table
+COPIES = 32  # copies of a tensor's buckets in it, which the Triton kernel spreads its atomic adds over (8 MiB a table)
 
 
 class SummaryBatch:
-    """Device statistics of many tensors, taken together and queued without waiting for them (a
-    read-back a value would stall the step). Each tensor's rows of ROW elements are reduced into a
-    table of [rows, 7] float32, and when the summaries are taken every row since is combined, in
-    float64, into each tensor's: the sum, sum of squares and sum of absolute values of its finite
-    values, their min and max, and its NaN and Inf counts (TensorStats.from_summary).
+    """Device statistics and sketches of many tensors, taken together and queued without waiting for
+    them (a read-back a value would stall the step). Each tensor's rows of ROW elements are reduced
+    into a table of [rows, 7] float32, and when the summaries are taken every row since is combined,
+    in float64, into each tensor's: the sum, sum of squares and sum of absolute values of its finite
+    values, their min and max, and its NaN and Inf counts (TensorStats.from_summary); beside them its
+    sketch (sketch.py), K float64 values: the tensor's row of a sketch table, COPIES copies of its
+    buckets summed at take.
 
     `fused` (from a training loop's second step: the kernel's compilation, about a second a dtype,
-    pays off over a loop, not in a run of one step): each tensor is reduced where it lies, in its own
-    dtype, by one Triton kernel (device_kernels.py). Otherwise, or without Triton, each is copied as
-    float32 into a staging buffer of `rows` rows, NaN after it in its last row (one larger goes in as
-    pieces of a buffer each), and the buffer's rows are reduced by a dozen eager kernels when it is
-    full. float64 tensors are reduced alone, in float64. Taken a tensor at a time, each tensor was
-    twenty eager kernels or a compiled call of 0.5 ms of the step's thread (py-spy, a 4-layer HF
-    Llama on an H100); staged, its copy read and wrote every element once more and cost three
-    launches (the slice, copy and fill) where the kernel costs one.
+    pays off over a loop, not in a run of one step): each tensor is reduced and sketched where it
+    lies, in its own dtype, in one pass by one Triton kernel (device_kernels.py). Otherwise, or
+    without Triton, each is copied as float32 into a staging buffer of `rows` rows, NaN after it in
+    its last row (one larger goes in as pieces of a buffer each), and the buffer's rows are reduced
+    by a dozen eager kernels when it is full, its sketch taken by torch's ops (sketch.device_sketch).
+    float64 tensors are reduced and sketched alone, in float64. Taken a tensor at a time, each
+    tensor was twenty eager kernels or a compiled call of 0.5 ms of the step's thread (py-spy, a
+    4-layer HF Llama on an H100); staged, its copy read and wrote every element once more and cost
+    three launches (the slice, copy and fill) where the kernel costs one.
 
     Nothing here waits for the device: the host's part (which rows are whose) is copied from
     page-locked memory behind the step's kernels (sketch.queued), and nothing is indexed by a Python list
@@ -200,21 +208,29 @@ class SummaryBatch:
         self._filled = 0  # rows of the table written
         self._reduced: list[torch.Tensor] = []  # [rows, 7] statistics of every row reduced since the last take
         self._pieces: list[tuple[int, int, int]] = []  # (tensor, elements, rows) of each piece, in row order
+        self._sketches: list[torch.Tensor] = []  # [SKETCHES, COPIES, K] float64, zeroed: tensor i's in row i
         self._tensors = 0  # added since the last take
 
-    def add(self, tensor: torch.Tensor) -> None:
-        """A detached tensor (the writer's)."""
+    def add(self, tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
+            keep: Optional[torch.Tensor] = None) -> None:
+        """A detached tensor (the writer's), its element (r, c) (its last dim the columns) at
+        base[r] + cols[c] in the whole (sketch.rows_and_cols, on its device). `keep`: a bool on the
+        device, false where its record will be thrown away: the kernel then skips it, and it reads as
+        nothing but NaN (the other ways take it whatever the flag)."""
         x = summable(tensor.reshape(-1))
         owner, self._tensors = self._tensors, self._tensors + 1
+        sketch = self._sketch_row(owner, x.device)
         if x.dtype == torch.float64:  # kept exact: its rows reduced now, in float64
             self._reduce()
             n, rows = x.numel(), -(-x.numel() // ROW)
             self._reduced.append(_row_stats(torch.nn.functional.pad(x, (0, rows * ROW - n), value=math.nan)
                                             .view(rows, ROW)))
             self._pieces.append((owner, n, rows))
+            device_sketch(x, base, cols, sketch)
             return
-        if self.fused and x.is_cuda and self._reduce_in_place(owner, x):
+        if self.fused and runs_here(x) and self._reduce_in_place(owner, x, base, cols, keep):
             return
+        device_sketch(x, base, cols, sketch)
         size = self.rows * ROW
         if x.numel() <= size:  # most: one piece, the tensor itself (a slice costs the step's thread)
             self._stage(owner, x)
@@ -223,16 +239,28 @@ class SummaryBatch:
             self._stage(owner, x[start:start + size])
 
     def take(self) -> Optional[torch.Tensor]:
-        """Every summary since the last take, [tensors, 7] float64 on the device, in the order added."""
+        """Every summary since the last take, [tensors, 7 + K] float64 on the device, in the order
+        added: the statistics, then the sketch."""
         self._reduce()
-        reduced, pieces, count = self._reduced, self._pieces, self._tensors
-        self._reduced, self._pieces, self._tensors = [], [], 0
-        if not pieces:
+        reduced, pieces, count, sketches = self._reduced, self._pieces, self._tensors, self._sketches
+        self._reduced, self._pieces, self._tensors, self._sketches = [], [], 0, []
+        if not count:
             return None
-        return _summaries(torch.cat(reduced).double(), pieces, count)
+        sketched = (torch.cat(sketches) if len(sketches) > 1 else sketches[0])[:count].sum(1)
+        per_row = torch.cat(reduced).double() if reduced else sketched.new_zeros(0, 7)  # none: all empty
+        return torch.cat([_summaries(per_row, pieces, count), sketched], 1)
 
-    def _reduce_in_place(self, owner: int, x: torch.Tensor) -> bool:
-        """x's rows into the table by the Triton kernel; False where there is none (it stages them)."""
+    def _sketch_row(self, owner: int, device: torch.device) -> torch.Tensor:
+        """Tensor `owner`'s first copy of its buckets in the sketch tables, zero: a table of SKETCHES
+        tensors at a time, one fill for them all rather than one a tensor."""
+        if owner // SKETCHES == len(self._sketches):
+            self._sketches.append(torch.zeros(SKETCHES, COPIES, K, dtype=torch.float64, device=device))
+        return self._sketches[owner // SKETCHES][owner % SKETCHES, 0]
+
+    def _reduce_in_place(self, owner: int, x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
+                         keep: Optional[torch.Tensor]) -> bool:
+        """x's rows into the table and its sketch into its row by the Triton kernel; False where there
+        is none (it stages them)."""
         reduce = _kernel()
         if reduce is None:
             return False
@@ -246,7 +274,8 @@ class SummaryBatch:
         if self._table is None:
             self._table = torch.empty(max(self.rows, rows), 7, dtype=torch.float32, device=x.device)
         try:
-            reduce(x, self._table, self._filled, ROW)  # the staged rows' width: both ways give the same rows
+            # the staged rows' width: both ways give the same rows
+            reduce(x, self._table, self._filled, ROW, (base, cols, self._sketches[-1], owner % SKETCHES), keep)
         except Exception as error:  # a Triton that cannot compile here: the same values, staged
             _give_up(error)
             return False
@@ -314,6 +343,12 @@ def _group(values: torch.Tensor, owner: torch.Tensor, count: int) -> torch.Tenso
     high = torch.full((count,), -math.inf, dtype=values.dtype, device=values.device).scatter_reduce_(
         0, owner, values[:, 4], "amax")
     return torch.cat([added[:, :3], low[:, None], high[:, None], added[:, 5:]], 1)
+
+
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel can take `x`: on a GPU, or on any device where Triton interprets
+    its kernels (TRITON_INTERPRET=1: how its CPU tests run it)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 _loaded: Union[Callable, None, bool] = None  # device_kernels' reduce once loaded; False: none here

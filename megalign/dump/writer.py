@@ -10,6 +10,7 @@ the device, within a room there that the run waits on when the disk falls behind
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -18,7 +19,7 @@ import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -28,8 +29,8 @@ from megalign.dump.sharding import Sharding
 from megalign.dump.pinned import PinnedBuffers
 from megalign.dump.layout import Layout
 from megalign.dump.placement import positions
-from megalign.dump.sketch import device_sketch, rows_and_cols
-from megalign.dump.stats import SUMMARY, SummaryBatch, TensorStats, host_summary, summable
+from megalign.dump.sketch import rows_and_cols
+from megalign.dump.stats import SUMMARY, SummaryBatch, TensorStats, host_summary
 from megalign.dump.tensorfile import STORED, unstorable, write_file
 
 # One thread writes into the page cache at about one core's copy speed; files written side by side go
@@ -77,8 +78,11 @@ class RankWriter:
         # --stats-only on a device: summaries queued behind the step's kernels, read back in batches
         # (one copy and one event each, filled in by a writing thread), the run never waiting on them.
         self._summarized: list[TensorRecord] = []
-        self._sketches: list[torch.Tensor] = []  # theirs, queued on the device alike
         self._unless_zero: list[TensorRecord] = []
+        # Records kept only where their flag (a bool on the device) is true at close (kept_if): the
+        # orders of each flag's, and the flag of those being added now.
+        self._kept_if: list[tuple[list[int], torch.Tensor]] = []
+        self._flag: Optional[torch.Tensor] = None
         self._left_out: set[int] = set()  # orders of records left out
         self._stats: list[Future] = []
         # Each record's manifest entry, as JSON, made by the writing thread that finished the record
@@ -112,6 +116,8 @@ class RankWriter:
         record = TensorRecord(kind=kind, name=name, order=len(self.records), shape=list(tensor.shape),
                               dtype=dtype_name(tensor.dtype), sharding=sharding, module=module, layer=layer,
                               call=call)
+        if self._flag is not None:
+            self._kept_if[-1][0].append(record.order)
         if self.stats_only and not full:
             if unless_zero:
                 self._unless_zero.append(record)
@@ -123,8 +129,7 @@ class RankWriter:
                 # against 3.0x so, bench_trainer.py on 2 cores).
                 record.stats, record.sketch = host_summary(tensor, base, cols)
             else:
-                self.summaries.add(tensor)
-                self._sketches.append(device_sketch(summable(tensor.reshape(-1)), base, cols))
+                self.summaries.add(tensor, base, cols, self._flag)
                 self._summarized.append(record)
                 if len(self._summarized) == SUMMARIES_PER_COPY:
                     self._read_summaries()
@@ -148,6 +153,10 @@ class RankWriter:
             done.result()
         self._raise()
         self._left_out.update(record.order for record in self._unless_zero if record.stats.all_zero)
+        if self._kept_if:  # the flags read back together, once
+            kept = torch.stack([flag.to(self._kept_if[0][1].device) for _, flag in self._kept_if]).tolist()
+            self._left_out.update(order for (orders, _), keep in zip(self._kept_if, kept) if not keep
+                                  for order in orders)
         # Orders kept, gaps and all.
         self.records = [record for record in self.records if record.order not in self._left_out]
         self.bytes_written = sum(done.result() for done in self._files)
@@ -158,6 +167,17 @@ class RankWriter:
         tensors = ",".join(self._entries.get(record.order) or _entry(record) for record in self.records)
         tail = json.dumps(extra or {}, separators=COMPACT)[1:-1]
         write_text_atomic(self.dir / MANIFEST, f'{head[:-1]},"tensors":[{tensors}]{"," if tail else ""}{tail}}}')
+
+    @contextlib.contextmanager
+    def kept_if(self, flag: torch.Tensor) -> Iterator[None]:
+        """Records added inside are kept only where `flag` (a bool, on a device: not waited for) is
+        true at close; a device's statistics kernel skips them where it is false already."""
+        self._flag = flag
+        self._kept_if.append(([], flag))
+        try:
+            yield
+        finally:
+            self._flag = None
 
     def discard_from(self, order: int) -> None:
         """Leave out of the manifest every record from `order` on (a step that raised)."""
@@ -175,8 +195,7 @@ class RankWriter:
     def _read_summaries(self) -> None:
         if self._summarized:
             records, self._summarized = tuple(self._summarized), []
-            sketches, self._sketches = self._sketches, []
-            rows = torch.cat([self.summaries.take(), torch.stack(sketches)], 1)
+            rows = self.summaries.take()
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
             host.copy_(rows, non_blocking=True)
             ready = torch.cuda.Event()

@@ -10,7 +10,9 @@ import torch
 import megalign
 
 
-def run(out, clip: str, backwards: int = 1):
+def run(out, clip: str, backwards: int = 1, stats_only: bool = False, deferred: bool = False):
+    """Two steps of a two-layer loop; `deferred`: stats-only's comparisons left as a device leaves them
+    (flags resolved at close), here on the CPU."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -19,7 +21,9 @@ def run(out, clip: str, backwards: int = 1):
         if clip != "none":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
 
-    with megalign.Dumper(out) as dumper:
+    with megalign.Dumper(out, stats_only=stats_only) as dumper:
+        if deferred:
+            dumper._reads._deferred = lambda now: True
         dumper.watch(model, outputs=False)
         for step in range(2):
             with dumper.step(step):
@@ -54,3 +58,16 @@ def test_a_clip_is_read_apart_from_the_reduced_gradients_wherever_it_stands(tmp_
 def test_a_step_of_two_backwards_keeps_the_last_ones_reduced_gradients(tmp_path):
     found = grads(run(tmp_path / "accumulated", "none", backwards=2))
     assert sorted(found) == sorted(f"step{s}/{n}" for s in (0, 1) for n in ("0.weight", "0.bias", "1.weight", "1.bias"))
+
+
+@pytest.mark.parametrize("clip", ["none", "inside", "after"])
+def test_stats_only_decided_at_close_writes_what_is_decided_at_once(tmp_path, clip):
+    """The device's way (each #stepped read written, kept where its flag stays true at close) keeps
+    the records and statistics the CPU's way (compared at once) keeps: a clip inside the block or after
+    it, or none; and, two backwards in a step, the last one's."""
+    for backwards in (1, 2):
+        at_once, later = (run(tmp_path / f"{clip}-{backwards}-{deferred}", clip, backwards, stats_only=True,
+                              deferred=deferred) for deferred in (False, True))
+        assert sorted(later.names()) == sorted(at_once.names()) and len(at_once.names()) > 0
+        for kind, name in at_once.names():
+            assert later.shards(kind, name)[0].stats == at_once.shards(kind, name)[0].stats

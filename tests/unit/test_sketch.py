@@ -115,8 +115,8 @@ def test_the_host_kernel_and_the_device_ops_agree_over_finite_values(device):
     for tensor, placed in ((x, where), (x.bfloat16(), where), (torch.tensor(2.5), [])):
         whole = (6, 3000) if placed else ()
         stats, host = host_summary(tensor, *rows_and_cols(whole, placed))
-        on_device = device_sketch(tensor.to(device).reshape(-1),
-                                  *rows_and_cols(whole, placed, torch.device(device))).cpu().numpy()
+        on_device = device_sketch(tensor.to(device).reshape(-1), *rows_and_cols(whole, placed, torch.device(device)),
+                                  torch.zeros(K, dtype=torch.float64, device=device)).cpu().numpy()
         assert np.allclose(host, on_device, rtol=1e-12, atol=1e-12) and host.shape == (K,)
         finite = tensor.double()[torch.isfinite(tensor)]
         assert float(np.square(host).sum()) == pytest.approx(float(finite.square().sum()), rel=4 * math.sqrt(2 / K))
@@ -133,7 +133,8 @@ def test_the_device_ops_take_a_long_row_a_few_elements_at_a_time(monkeypatch):
                                   (torch.randn(3, 10, generator=GEN), (6, 30), [torch.tensor([0, 5, 2]),
                                                                                torch.arange(10, 20)])):
         located = rows_and_cols(whole, placed)
-        assert np.allclose(device_sketch(tensor.reshape(-1), *located).numpy(), host_summary(tensor, *located)[1],
+        assert np.allclose(device_sketch(tensor.reshape(-1), *located, torch.zeros(K, dtype=torch.float64)).numpy(),
+                           host_summary(tensor, *located)[1],
                            rtol=1e-12, atol=1e-12)
     assert max(hashed) == 7
 
