@@ -53,9 +53,9 @@ def test_check_catches_the_loss_bug_and_names_the_side(tmp_path):
 
 
 def test_a_failing_run_stops_check_with_its_error(tmp_path, capfd):
-    bad_input = invoke("check", "--baseline", "--cp 1", "--target", "--tp 3", "--out", tmp_path / "a")
+    bad_input = invoke("check", "--baseline", "--tp 3", "--target", "--cp 1", "--out", tmp_path / "a")
     assert bad_input.exit_code == 2
-    assert "the target run failed (exit 2)" in bad_input.output
+    assert "the baseline run failed (exit 2)" in bad_input.output and "target:" not in bad_input.output
     assert "error: --tp 3 does not divide" in capfd.readouterr().err  # the run's own error, from its process
     unsplittable = invoke("check", "--target", '--cp "2', "--out", tmp_path / "b")
     assert unsplittable.exit_code == 2 and "cannot split" in unsplittable.output
