@@ -25,7 +25,8 @@ import megalign
 
 PACKAGE = Path(megalign.__file__).parent
 # The layout module (Layout and its rules) is base: the run's spec holds a Layout, both sides use it.
-BASE = {"megalign", "megalign.spec", "megalign.options", "megalign.errors", "megalign.dump.layout"}
+# sizes: the byte sizes a run and a zoom print.
+BASE = {"megalign", "megalign.spec", "megalign.options", "megalign.errors", "megalign.sizes", "megalign.dump.layout"}
 # Which parts each part may import, besides itself and the base modules.
 # transformers' stack must not pay megatron-core's import. megatron's loads Hugging Face checkpoints
 # through stacks/hf's checkpoint reader (torch and safetensors: transformers is imported by the HF

@@ -28,7 +28,7 @@ from typer.exceptions import TyperException
 
 from megalign.compare.metrics import TensorMetrics
 from megalign.compare.records import Report
-from megalign.compare.zoom import unlined, zoom_around
+from megalign.compare.zoom import BUDGET, unlined, zoom_around
 from megalign.errors import UserError
 from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, JsonOut, Judging, Kinds, NoColor, Plot,
                                   SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging, exit_code,
@@ -36,6 +36,7 @@ from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, Js
 from megalign.cli.render import console, fail, use_color
 from megalign.cli.run import parse_run
 from megalign.options import Mode, Output, RunConfig, flag
+from megalign.sizes import human_bytes, parse_bytes
 
 # Each run's folder and its replacement are check's to decide.
 OWN_OPTIONS = (*flag(RunConfig, "out").spelling, *flag(Output, "overwrite").spelling)
@@ -61,6 +62,12 @@ def check(
                                    "neighbours in computation order, their gradients, its parameters' gradients: "
                                    "--dump-only) and statistics for the rest, and that comparison is the verdict. "
                                    "Agreeing statistics: exit 0 with no second pass. Default: one pass, all values."),
+    zoom_budget: Optional[str] = typer.Option(None, "--zoom-budget", metavar="SIZE",
+                                              help="--zoom's full values a run may write, its ranks together (2GiB, "
+                                                   "500MB, 1e9 bytes): the first divergence is always zoomed, the "
+                                                   "tensors around it nearest first while they fit, the rest stay "
+                                                   "stats-only and are named. Default: "
+                                                   f"{human_bytes(BUDGET).replace(' ', '')}."),
     mode: Mode = typer.Option("backward", "--mode", help="Which pass the runs dump."),
     out: Path = typer.Option(Path("dumps/check"), "--out", "-o", metavar="DIR",
                              help="Folder for the runs' dumps: DIR/baseline, DIR/target, DIR/reference (with "
@@ -104,6 +111,9 @@ def check(
             # the fp64 reference fails them, and the zoom would never be taken.
             raise UserError("--zoom does not take --reference: its stats-only pass has no values to judge against "
                             "the fp64 run; check with one of them")
+        if zoom_budget is not None and not zoom:
+            raise UserError("--zoom-budget is --zoom's: add --zoom, or leave it out")
+        budget = BUDGET if zoom_budget is None else parse_bytes(zoom_budget, "--zoom-budget")
         check_judging(judging, [out])
         argv = commands(first, (STATS_ONLY[0],) if zoom else ())
     except UserError as e:
@@ -118,8 +128,10 @@ def check(
         if zoom:
             say("the stats-only pass agrees: nothing to zoom into, no second pass")
         raise typer.Exit(exit_code(compared))
-    around = zoom_around(compared)
-    say(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first divergence")
+    around = zoom_around(compared, budget)
+    say(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first divergence "
+        f"({human_bytes(around.nbytes)} a run)" + (f", {len(around.left_out)} more past the budget"
+                                                   if around.left_out else ""))
     _launch(commands(out / ZOOM_PASS, (DUMP_ONLY[0], str(around.rule))))
     zoomed = run_compare(*_dumps(out / ZOOM_PASS, reference), judging)
     say(around.line())

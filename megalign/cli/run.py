@@ -19,7 +19,8 @@ from megalign.run.launch import (RunResult, check_options, launch, run_here, run
 from megalign.run.plan import plan_run
 from megalign.run.replay import REPLAY_FILE, routing_replay
 from megalign.stacks.dist_checkpoint import MODEL_FILE
-from megalign.cli.render import console, err_console, fail, human_bytes, plural, shown
+from megalign.cli.render import console, err_console, fail, plural, shown
+from megalign.sizes import human_bytes
 
 
 def run_command(mode: Mode):

@@ -29,7 +29,7 @@ def test_check_zooms_into_the_first_divergence_its_statistics_find(tmp_path):
     result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2 --loss-norm local", "--zoom", "--out", out,
                     "--json", tmp_path / "r.jsonl")
     assert result.exit_code == 1, result.output
-    assert "zoomed: tensors decoder.final_layernorm..loss (5 names), full values; the rest stats-only" in result.output
+    assert "zoomed: tensors decoder.final_layernorm..loss (5 names), full values (128.3 KiB a run); the rest stats-only" in result.output
     assert "first divergence, in full values: loss loss: rel diff 0.2, max abs diff 4.85" in result.output
     rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     first = next(row for row in rows if row.get("first_divergence"))
@@ -70,6 +70,14 @@ def test_zoom_with_a_reference_is_refused_before_any_run(tmp_path):
     result = invoke("check", "--zoom", "--reference", "--out", tmp_path / "check")
     assert result.exit_code == 2 and "error: --zoom does not take --reference" in result.output
     assert not (tmp_path / "check").exists()
+
+
+def test_a_bad_zoom_budget_stops_check_before_any_run(tmp_path):
+    for args, error in ((("--zoom", "--zoom-budget", "lots"), "error: --zoom-budget: expected a size such as 2GiB"),
+                        (("--zoom-budget", "1GiB"), "error: --zoom-budget is --zoom's: add --zoom")):
+        result = invoke("check", *args, "--out", tmp_path / "check")
+        assert result.exit_code == 2 and error in result.output, result.output
+        assert not (tmp_path / "check").exists()
 
 
 def test_a_run_option_that_does_not_exist_stops_check_before_any_run(tmp_path):

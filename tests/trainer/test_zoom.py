@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +17,13 @@ import megalign
 from megalign.compare.pipeline import compare_paths
 from megalign.compare.thresholds import Thresholds
 from megalign.compare.lineup import UNLINED_STATS
-from megalign.compare.records import FAIL, NOT_REASSEMBLABLE, PASS, Row, Verdict
+from megalign.compare.entries import Entry, Source
+from megalign.compare.records import FAIL, NOT_REASSEMBLABLE, PASS, Report, Row, Summary, Verdict
 from megalign.compare.zoom import unlined, zoom_around
 from megalign.dump.format import Kind
 from megalign.dump.zoom import FullValues, full_values
 from megalign.errors import UserError
+from megalign.sizes import parse_bytes
 from tests.conftest import invoke
 from tests.trainer import mlp_train
 
@@ -120,3 +123,61 @@ def test_token_tensors_a_stats_only_pass_could_not_line_up_are_counted_and_other
             row(2, NOT_REASSEMBLABLE, "A: shard 1 missing"), row(3, FAIL)]
     assert unlined(rows) == 1
     assert unlined([row(0, PASS), row(2, NOT_REASSEMBLABLE, "A: shard 1 missing")]) == 0
+
+
+def window(*rows: tuple[str, str, list[int], str], first: int):
+    """A stats-only report of one step's `rows` (kind, name, shape, dtype), diverging first at row `first`."""
+    entries = [Entry(kind, name, (i,), None, load=None, step=None) for i, (kind, name, _, _) in enumerate(rows)]
+    made = [Row.of(i, kind, name, None, Verdict(status=FAIL if i >= first else PASS, shape_a=shape, shape_b=shape,
+                                                 dtype_a=dtype, dtype_b="float32"))
+            for i, (kind, name, shape, dtype) in enumerate(rows)]
+    source = Source(Path("a"), "megalign", "", entries)
+    return Report(source, source, made, Summary.of(made, first, [], []), first)
+
+
+GIB = 1 << 30
+ATTENTION = [  # a layer at an 8B model's shape in bf16 (the target fp32), forward then backward
+    (Kind.ACTIVATION, "l.qkv", [2, 4096, 6144], "bfloat16"),
+    (Kind.ACTIVATION, "l.core_attention.softmax", [2, 32, 4096, 4096], "bfloat16"),
+    (Kind.ACTIVATION, "l.core_attention", [2, 4096, 4096], "bfloat16"),
+    (Kind.ACTIVATION, "l.proj", [2, 4096, 4096], "bfloat16"),
+    (Kind.ACTIVATION_GRAD, "l.proj", [2, 4096, 4096], "bfloat16"),
+    (Kind.ACTIVATION_GRAD, "l.core_attention", [2, 4096, 4096], "bfloat16"),
+    (Kind.ACTIVATION_GRAD, "l.core_attention.softmax", [2, 32, 4096, 4096], "bfloat16"),
+    (Kind.ACTIVATION_GRAD, "l.qkv", [2, 4096, 6144], "bfloat16"),
+]
+
+
+def test_a_window_tensor_past_the_budget_stays_stats_only_and_the_zoom_names_it():
+    """The attention probabilities (4 GiB each in fp32, twice: their gradient bears their name) filled
+    26 of the first 8B zoom's 27 GB; every other name of the window fits 2 GiB a run."""
+    zoom = zoom_around(window(*ATTENTION, first=7))
+    assert zoom.names == ("l.qkv", "l.core_attention", "l.proj")
+    assert zoom.nbytes == 2 * 4 * 2 * 4096 * (6144 + 4096 + 4096) == 7 * GIB // 8
+    assert [(left.name, left.nbytes) for left in zoom.left_out] == [("l.core_attention.softmax", 8 * GIB)]
+    assert zoom.line() == ("zoomed: tensors l.qkv..l.proj (3 names), full values (896.0 MiB a run); the rest stats-only; "
+                           "past the zoom's 2.0 GiB budget, stats-only: l.core_attention.softmax (8.0 GiB)")
+    assert not zoom.rule.wants(None, "l.core_attention.softmax") and zoom.rule.wants(None, "l.core_attention")
+
+
+def test_the_budget_keeps_the_nearest_first_and_the_first_divergence_whatever_its_size():
+    # Nearest by record: core_attention's gradient lies 2 records from the first, proj's 3.
+    nearest = zoom_around(window(*ATTENTION, first=7), budget=700 << 20)
+    assert nearest.names == ("l.qkv", "l.core_attention")
+    assert [left.name for left in nearest.left_out] == ["l.core_attention.softmax", "l.proj"]
+    # The divergence at the probabilities themselves: zoomed past any budget, and nothing else is.
+    alone = zoom_around(window(*ATTENTION, first=6), budget=0)
+    assert alone.names == ("l.core_attention.softmax",) and alone.nbytes == 8 * GIB
+    assert {left.name for left in alone.left_out} == {"l.qkv", "l.core_attention", "l.proj"}
+    # An fp64 reference run costs 8 bytes an element: the widest run is what a budget bounds.
+    assert len(zoom_around(window(*ATTENTION, first=7), budget=GIB).names) == 3
+    assert zoom_around(window(*ATTENTION, first=7), budget=GIB, itemsize=8).names == ("l.qkv",)
+    assert "past the zoom's" not in zoom_around(window(*ATTENTION, first=7), budget=100 * GIB).line()
+
+
+def test_a_size_reads_in_bytes_and_binary_or_decimal_units():
+    assert [parse_bytes(text, "--zoom-budget") for text in ("2GiB", "500MB", "1e9", "0", "1.5 kib")] == \
+        [2 * GIB, 500 * 10**6, 10**9, 0, 1536]
+    for bad in ("", "2 parsecs", "-1GiB", "nan", "1.2.3GB"):
+        with pytest.raises(UserError, match=r"^--zoom-budget: expected a size such as 2GiB"):
+            parse_bytes(bad, "--zoom-budget")
