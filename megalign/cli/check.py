@@ -8,7 +8,9 @@ What users otherwise script by hand:
 
 --zoom finds the first divergence at the cost of statistics (--stats-only runs), then runs again,
 the same inputs and seeds, with values for the tensors around it (--dump-only, compare/zoom.py):
-full depth where a full dump would not fit on the disk.
+full depth where a full dump would not fit on the disk. With --reference the stats-only pass is A
+against B alone (statistics cannot be judged against an fp64 run's rounding), and the zoom runs the
+reference too: where A and B agree within the per-kind thresholds there is no zoom, and no reference.
 
 Options check does not know itself go to every run (--hf, --config, --tokens, --seq-len, --seed,
 ...); --baseline and --target add their own. Each run is a real `megalign forward|backward`
@@ -61,7 +63,9 @@ def check(
                                    "seeds) with values only for the tensors around the first divergence (its "
                                    "neighbours in computation order, their gradients, its parameters' gradients: "
                                    "--dump-only) and statistics for the rest, and that comparison is the verdict. "
-                                   "Agreeing statistics: exit 0 with no second pass. Default: one pass, all values."),
+                                   "Agreeing statistics: exit 0 with no second pass. With --reference the "
+                                   "stats-only pass is A against B, and the second pass runs and judges against "
+                                   "the reference too. Default: one pass, all values."),
     zoom_budget: Optional[str] = typer.Option(None, "--zoom-budget", metavar="SIZE",
                                               help="--zoom's full values a run may write, its ranks together (2GiB, "
                                                    "500MB, 1e9 bytes): the first divergence is always zoomed, the "
@@ -100,26 +104,25 @@ def check(
     if reference:
         runs["reference"] = ("--baseline", f"{baseline} --dtype fp64")
     first = out / STATS_PASS if zoom else out
+    # Statistics have no values to hold against the reference's rounding: the stats-only pass judges A
+    # against B alone, and a zoom runs the reference with them.
+    stats_runs = [name for name in runs if name != "reference"] if zoom else list(runs)
 
-    def commands(folder: Path, added: tuple[str, ...]) -> dict[str, list[str]]:
-        return {name: _run_argv(mode, ctx.args, option, extra, folder / name, overwrite, added, zoom)
-                for name, (option, extra) in runs.items()}
+    def commands(folder: Path, added: tuple[str, ...], names: list[str]) -> dict[str, list[str]]:
+        return {name: _run_argv(mode, ctx.args, *runs[name], folder / name, overwrite, added, zoom) for name in names}
 
     try:
-        if zoom and reference:
-            # The stats-only pass would judge A and B against each other alone: it could pass where
-            # the fp64 reference fails them, and the zoom would never be taken.
-            raise UserError("--zoom does not take --reference: its stats-only pass has no values to judge against "
-                            "the fp64 run; check with one of them")
         if zoom_budget is not None and not zoom:
             raise UserError("--zoom-budget is --zoom's: add --zoom, or leave it out")
         budget = BUDGET if zoom_budget is None else parse_bytes(zoom_budget, "--zoom-budget")
         check_judging(judging, [out])
-        argv = commands(first, (STATS_ONLY[0],) if zoom else ())
+        argv = commands(first, (STATS_ONLY[0],) if zoom else (), stats_runs)
+        if zoom:  # the zoom's reference run checked too, before any run starts
+            commands(out / ZOOM_PASS, (), list(runs))
     except UserError as e:
         fail(str(e), e.exit_code)
     _launch(argv)
-    compared = run_compare(*_dumps(first, reference), judging, table=not zoom)
+    compared = run_compare(*_dumps(first, reference and not zoom), judging, table=not zoom)
     if zoom and (apart := unlined(compared.rows)):
         fail(f"--zoom: the runs lay out their rows differently (packed against padded, or padded to other lengths), "
              f"and statistics cannot line up their {apart} token tensors; check without --zoom", 2)
@@ -128,11 +131,11 @@ def check(
         if zoom:
             say("the stats-only pass agrees: nothing to zoom into, no second pass")
         raise typer.Exit(exit_code(compared))
-    around = zoom_around(compared, budget)
+    around = zoom_around(compared, budget, itemsize=8 if reference else 0)
     say(f"\n[bold]zoom[/]: every run again, with values for {len(around.names)} tensors around the first divergence "
         f"({human_bytes(around.nbytes)} a run)" + (f", {len(around.left_out)} more past the budget"
                                                    if around.left_out else ""))
-    _launch(commands(out / ZOOM_PASS, (DUMP_ONLY[0], str(around.rule))))
+    _launch(commands(out / ZOOM_PASS, (DUMP_ONLY[0], str(around.rule)), list(runs)))
     zoomed = run_compare(*_dumps(out / ZOOM_PASS, reference), judging)
     say(around.line())
     if zoomed.first_divergence is not None:
@@ -156,12 +159,17 @@ def _dumps(folder: Path, reference: bool) -> tuple[Path, Path, Optional[Path]]:
 def _in_full(report: Report) -> str:
     """The zoomed comparison's first divergence, with its full metrics where it lies in the zoom."""
     row = report.rows[report.first_divergence]
-    cells = dict(zip(("rel diff", "max abs diff", "threshold"), row.cells(True)[4:7]))
-    figures = ", ".join(f"{label} {text}" for label, text in cells.items() if text)
+    rel, max_abs, threshold = row.cells(True)[4:7]
+    figures = [f"rel diff {rel}" if rel else "", f"max abs diff {max_abs}" if max_abs else ""]
+    if row.reference is not None:  # judged against the fp64 run, not a threshold
+        ref = row.reference
+        figures.append(f"{ref.off} off against the reference (rel to it A {ref.rel_a:.3g}, B {ref.rel_b:.3g})")
+    elif threshold:
+        figures.append(f"threshold {threshold}")
+    said = ", ".join(figure for figure in figures if figure)
     if isinstance(row.metrics, TensorMetrics):
-        return f"first divergence, in full values: {row.kind} {row.name}: {figures}"
-    return f"first divergence, outside the zoom (statistics only): {row.kind} {row.name}" + \
-        (f": {figures}" if figures else "")
+        return f"first divergence, in full values: {row.kind} {row.name}: {said}"
+    return f"first divergence, outside the zoom (statistics only): {row.kind} {row.name}" + (f": {said}" if said else "")
 
 
 def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path, overwrite: bool,

@@ -23,21 +23,27 @@ def test_check_runs_both_and_passes(tmp_path):
 
 
 def test_check_zooms_into_the_first_divergence_its_statistics_find(tmp_path):
-    """The stats-only pass finds the CP loss bug at the loss; the second pass dumps values for the
-    tensors around it only, and its comparison names it with full metrics."""
+    """The stats-only pass (baseline and target only) finds the CP loss bug at the loss; the second pass
+    dumps values for the tensors around it only, in the fp64 reference too, and its comparison names
+    it with full metrics, judged against the reference: B off."""
     out = tmp_path / "check"
-    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2 --loss-norm local", "--zoom", "--out", out,
-                    "--json", tmp_path / "r.jsonl")
+    result = invoke("check", "--baseline", "--cp 1", "--target", "--cp 2 --loss-norm local", "--zoom", "--reference",
+                    "--out", out, "--json", tmp_path / "r.jsonl")
     assert result.exit_code == 1, result.output
-    assert "zoomed: tensors decoder.final_layernorm..loss (5 names), full values (128.3 KiB a run); the rest stats-only" in result.output
-    assert "first divergence, in full values: loss loss: rel diff 0.2, max abs diff 4.85" in result.output
+    assert "zoomed: tensors decoder.final_layernorm..loss (5 names), full values (256.5 KiB a run); the rest " \
+           "stats-only" in result.output  # counted in fp64, the widest run's dtype
+    assert ("first divergence, in full values: loss loss: rel diff 0.2, max abs diff 4.85, B off against the "
+            "reference (rel to it A 3.47e-16, B 0.2)") in result.output
     rows = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     first = next(row for row in rows if row.get("first_divergence"))
     assert (first["kind"], first["name"], first["metrics"]["mode"]) == ("loss", "loss", "values")
-    zoomed = megalign.open(out / "zoomed" / "target")
-    full = {name for kind, name in zoomed.names() if zoomed.shards(kind, name)[0].stats is None}
-    assert full == {"decoder.final_layernorm", "decoder", "logits", "logprobs", "loss"}
-    assert len(zoomed.names()) == len(megalign.open(out / "stats-only" / "target").names())
+    assert first["reference"]["off"] == "B" and first["threshold"] is None
+    assert {p.name for p in (out / "stats-only").iterdir()} == {"baseline", "target"}
+    for run, alike in (("target", "target"), ("reference", "baseline")):  # the reference: the baseline's layout
+        zoomed = megalign.open(out / "zoomed" / run)
+        full = {name for kind, name in zoomed.names() if zoomed.shards(kind, name)[0].stats is None}
+        assert full == {"decoder.final_layernorm", "decoder", "logits", "logprobs", "loss"}
+        assert len(zoomed.names()) == len(megalign.open(out / "stats-only" / alike).names())
 
 
 def test_check_catches_the_loss_bug_and_names_the_side(tmp_path):
@@ -63,13 +69,6 @@ def test_a_failing_run_stops_check_with_its_error(tmp_path, capfd):
     assert own_option.exit_code == 2 and "--out is check's own option" in own_option.output
     zoom_option = invoke("check", "--zoom", "--target", "--dump-only loss", "--out", tmp_path / "d")
     assert zoom_option.exit_code == 2 and "--dump-only is --zoom's own option" in zoom_option.output
-
-
-def test_zoom_with_a_reference_is_refused_before_any_run(tmp_path):
-    """Its stats-only pass never judges against the fp64 run: it could pass where --reference fails."""
-    result = invoke("check", "--zoom", "--reference", "--out", tmp_path / "check")
-    assert result.exit_code == 2 and "error: --zoom does not take --reference" in result.output
-    assert not (tmp_path / "check").exists()
 
 
 def test_a_bad_zoom_budget_stops_check_before_any_run(tmp_path):
