@@ -7,7 +7,9 @@ overlaps: its own rows for a split of dim 0, every chunk for a split of the last
 shorter than a chunk. A chunk is always drawn whole, since torch's sampler fills in blocks of 16
 and a chunk's numbers depend on its length. Chunks are drawn on threads (each on its own generator:
 the numbers do not depend on the thread), as many as this rank's share of the cores, always on the
-CPU, so that a GPU run holds the same weights as a CPU run.
+CPU, so that a GPU run holds the same weights as a CPU run (a device's generator would be faster,
+but its numbers are its own: GPU against CPU runs, which gpu.sh compares, would hold other weights).
+On a GPU each chunk is drawn into page-locked memory and its copy queued.
 """
 
 from __future__ import annotations
@@ -36,9 +38,15 @@ def seeded_weights(seed: int, std: float, chunk: int = CHUNK) -> WeightSource:
         def draw(index: int) -> None:
             generator = torch.Generator().manual_seed(_chunk_seed(seed, name, index))
             piece = full[index * chunk:(index + 1) * chunk]
-            drawn = piece if piece.device.type == "cpu" else torch.empty(piece.shape)
+            if piece.device.type == "cpu":
+                piece.normal_(mean, std, generator=generator)
+                return
+            # Page-locked, the copy is queued and the thread draws the next chunk: from pageable memory
+            # torch copies through a staging buffer and waits (an 8B model's 32 GB of fp32, a run).
+            # The caching host allocator reuses the block once the copy that read it has run.
+            drawn = torch.empty(piece.shape, pin_memory=True)
             drawn.normal_(mean, std, generator=generator)
-            piece.copy_(drawn)
+            piece.copy_(drawn, non_blocking=True)
 
         chunks = _chunks_read(starts, length, chunk, full.numel())
         with ThreadPoolExecutor(min(_threads(), max(1, len(chunks)))) as pool:
