@@ -9,7 +9,8 @@
 #   STAGE=runs, then STAGE=bench          (two calls on one machine, each within a call's time limit:
 #                                          the bench stage reads the dumps the runs stage left)
 #   STAGE=trainer                         (one call: the Dumper in a user's loop, bench_trainer.py at two widths,
-#                                          the sketch's kernel against a plain sum, bench_sketch.py, and the
+#                                          a stats-only step's host work a record, bench_records.py, the
+#                                          sketch's kernel against a plain sum, bench_sketch.py, and the
 #                                          Dumper's device tests)
 #   STAGE=scale8b                         (one call on its own, on an H200: Llama-3-8B's shape at full depth,
 #                                          bench/llama-3-8b.yaml, 2x4096 tokens, bf16 against fp32 under
@@ -140,12 +141,15 @@ if [ "$STAGE" = trainer ]; then
     tests/unit/test_sketch.py tests/compare/test_fast_paths.py -k "device or triton_kernel or cuda"
   if [ "$DEVICE" = cuda ]; then expect "bench-sketch" 0 python3 bench/bench_sketch.py; fi
   expect "bench-trainer-1024" 0 $bt $narrow --steps 6 --rounds 3
+  # Where a stats-only step's host time goes, record by record (calls, operators, launches, waits).
+  expect "bench-records-1024" 0 python3 bench/bench_records.py --device "$DEVICE" $narrow
+  expect "bench-records-4096" 0 python3 bench/bench_records.py --device "$DEVICE" $wide --layers 4
   expect "bench-trainer-4096-stats-only" 0 $bt $wide --layers 4 --steps 5 --rounds 3 --modes stats-only
   expect "bench-trainer-4096-full" 0 $bt $wide --layers 2 --steps 2 --rounds 1 --modes full
   # A long run dumps a few of its steps: every tenth, its files written while the next steps train.
   expect "bench-trainer-1024-full-every-10" 0 $bt $narrow --steps 21 --rounds 3 --modes full --dumped every:10
   expect "bench-trainer-4096-full-every-10" 0 $bt $wide --layers 2 --steps 21 --rounds 1 --modes full --dumped every:10
-  for f in "$LOGS"/bench-sketch.log "$LOGS"/bench-trainer-*.log "$LOGS"/pytest-*.log; do [ -f "$f" ] || continue; echo "--- $(basename "$f")"; tail -n 12 "$f"; done \
+  for f in "$LOGS"/bench-sketch.log "$LOGS"/bench-trainer-*.log "$LOGS"/bench-records-*.log "$LOGS"/pytest-*.log; do [ -f "$f" ] || continue; echo "--- $(basename "$f")"; tail -n 12 "$f"; done \
     | tee "$OUTDIR/bench.txt"
   echo "== results"; cat "$RESULTS"
   ! grep -q FAILED "$RESULTS"

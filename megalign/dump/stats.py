@@ -219,18 +219,18 @@ class SummaryBatch:
         nothing but NaN (the other ways take it whatever the flag)."""
         x = summable(tensor.reshape(-1))
         owner, self._tensors = self._tensors, self._tensors + 1
-        sketch = self._sketch_row(owner, x.device)
+        table = self._sketch_table(owner, x.device)
         if x.dtype == torch.float64:  # kept exact: its rows reduced now, in float64
             self._reduce()
             n, rows = x.numel(), -(-x.numel() // ROW)
             self._reduced.append(_row_stats(torch.nn.functional.pad(x, (0, rows * ROW - n), value=math.nan)
                                             .view(rows, ROW)))
             self._pieces.append((owner, n, rows))
-            device_sketch(x, base, cols, sketch)
+            device_sketch(x, base, cols, table[owner % SKETCHES, 0])
             return
         if self.fused and runs_here(x) and self._reduce_in_place(owner, x, base, cols, keep):
             return
-        device_sketch(x, base, cols, sketch)
+        device_sketch(x, base, cols, table[owner % SKETCHES, 0])
         size = self.rows * ROW
         if x.numel() <= size:  # most: one piece, the tensor itself (a slice costs the step's thread)
             self._stage(owner, x)
@@ -250,12 +250,13 @@ class SummaryBatch:
         per_row = torch.cat(reduced).double() if reduced else sketched.new_zeros(0, 7)  # none: all empty
         return torch.cat([_summaries(per_row, pieces, count), sketched], 1)
 
-    def _sketch_row(self, owner: int, device: torch.device) -> torch.Tensor:
-        """Tensor `owner`'s first copy of its buckets in the sketch tables, zero: a table of SKETCHES
-        tensors at a time, one fill for them all rather than one a tensor."""
+    def _sketch_table(self, owner: int, device: torch.device) -> torch.Tensor:
+        """The sketch table holding tensor `owner`'s buckets (its row owner % SKETCHES), zero: a table
+        of SKETCHES tensors at a time, one fill for them all rather than one a tensor. The kernel
+        takes the table and the row; a view of the row would be two more operators a record."""
         if owner // SKETCHES == len(self._sketches):
             self._sketches.append(torch.zeros(SKETCHES, COPIES, K, dtype=torch.float64, device=device))
-        return self._sketches[owner // SKETCHES][owner % SKETCHES, 0]
+        return self._sketches[owner // SKETCHES]
 
     def _reduce_in_place(self, owner: int, x: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
                          keep: Optional[torch.Tensor]) -> bool:
