@@ -214,11 +214,13 @@ def run_compare(a: Path, b: Path, reference: Optional[Path], judging: Judging, t
 
 def _zoom_hint(report: Report) -> str:
     """How to see a divergence judged on statistics in full: both sides again, zoomed alike."""
-    rule = shlex.quote(str(zoom_around(report).rule))
+    zoom = zoom_around(report)
+    rule = shlex.quote(str(zoom.rule))
     if report.a.stack in STACKS:
-        return f"zoom in: megalign check --zoom, or both runs again with --dump-only {rule}, and compare the two"
+        return (f"zoom in: megalign check --zoom, or both runs again with --dump-only {rule}, and compare the "
+                f"two{zoom.past_budget()}")
     return (f"zoom in: both loops again, the same inputs and seeds, with MEGALIGN_DUMP_ONLY={rule} (Dumper's "
-            "dump_only=), and compare the two")
+            f"dump_only=), and compare the two{zoom.past_budget()}")
 
 
 def run_explain(inputs: list[tuple[str, Path]], name: str) -> int:

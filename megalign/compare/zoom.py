@@ -62,12 +62,15 @@ class Zoom:
     def line(self) -> str:
         """What was zoomed, under the zoomed comparison."""
         where = "" if self.step is None else f"step {self.step}, "
-        line = (f"zoomed: {where}tensors {self.names[0]}..{self.names[-1]} ({len(self.names)} names), full values "
-                f"({human_bytes(self.nbytes)} a run); the rest stats-only")
-        if self.left_out:
-            line += (f"; past the zoom's {human_bytes(self.budget)} budget, stats-only: "
-                     + ", ".join(f"{left.name} ({human_bytes(left.nbytes)})" for left in self.left_out))
-        return line
+        return (f"zoomed: {where}tensors {self.names[0]}..{self.names[-1]} ({len(self.names)} names), full values "
+                f"({human_bytes(self.nbytes)} a run); the rest stats-only" + self.past_budget())
+
+    def past_budget(self) -> str:
+        """The window's names its budget left stats-only, each with its size: "; past ..." or ""."""
+        if not self.left_out:
+            return ""
+        return (f"; past the zoom's {human_bytes(self.budget)} budget, stats-only: "
+                + ", ".join(f"{left.name} ({human_bytes(left.nbytes)})" for left in self.left_out))
 
 
 def stats_divergence(report: Report) -> Optional[Row]:

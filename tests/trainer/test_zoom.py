@@ -158,6 +158,7 @@ def test_a_window_tensor_past_the_budget_stays_stats_only_and_the_zoom_names_it(
     assert zoom.line() == ("zoomed: tensors l.qkv..l.proj (3 names), full values (896.0 MiB a run); the rest stats-only; "
                            "past the zoom's 2.0 GiB budget, stats-only: l.core_attention.softmax (8.0 GiB)")
     assert not zoom.rule.wants(None, "l.core_attention.softmax") and zoom.rule.wants(None, "l.core_attention")
+    assert zoom.past_budget() == "; past the zoom's 2.0 GiB budget, stats-only: l.core_attention.softmax (8.0 GiB)"
 
 
 def test_the_budget_keeps_the_nearest_first_and_the_first_divergence_whatever_its_size():
