@@ -13,8 +13,8 @@ _SIZE = re.compile(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
 def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"

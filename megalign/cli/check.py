@@ -169,7 +169,8 @@ def _in_full(report: Report) -> str:
     said = ", ".join(figure for figure in figures if figure)
     if isinstance(row.metrics, TensorMetrics):
         return f"first divergence, in full values: {row.kind} {row.name}: {said}"
-    return f"first divergence, outside the zoom (statistics only): {row.kind} {row.name}" + (f": {said}" if said else "")
+    outside = f"first divergence, outside the zoom (statistics only): {row.kind} {row.name}"
+    return outside + (f": {said}" if said else "")
 
 
 def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path, overwrite: bool,

@@ -155,8 +155,8 @@ def test_a_window_tensor_past_the_budget_stays_stats_only_and_the_zoom_names_it(
     assert zoom.names == ("l.qkv", "l.core_attention", "l.proj")
     assert zoom.nbytes == 2 * 4 * 2 * 4096 * (6144 + 4096 + 4096) == 7 * GIB // 8
     assert [(left.name, left.nbytes) for left in zoom.left_out] == [("l.core_attention.softmax", 8 * GIB)]
-    assert zoom.line() == ("zoomed: tensors l.qkv..l.proj (3 names), full values (896.0 MiB a run); the rest stats-only; "
-                           "past the zoom's 2.0 GiB budget, stats-only: l.core_attention.softmax (8.0 GiB)")
+    assert zoom.line() == ("zoomed: tensors l.qkv..l.proj (3 names), full values (896.0 MiB a run); the rest "
+                           "stats-only; past the zoom's 2.0 GiB budget, stats-only: l.core_attention.softmax (8.0 GiB)")
     assert not zoom.rule.wants(None, "l.core_attention.softmax") and zoom.rule.wants(None, "l.core_attention")
     assert zoom.past_budget() == "; past the zoom's 2.0 GiB budget, stats-only: l.core_attention.softmax (8.0 GiB)"
 
