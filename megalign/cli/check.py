@@ -9,8 +9,9 @@ What users otherwise script by hand:
 --zoom finds the first divergence at the cost of statistics (--stats-only runs), then runs again,
 the same inputs and seeds, with values for the tensors around it (--dump-only, compare/zoom.py):
 full depth where a full dump would not fit on the disk. With --reference the stats-only pass is A
-against B alone (statistics cannot be judged against an fp64 run's rounding), and the zoom runs the
-reference too: where A and B agree within the per-kind thresholds there is no zoom, and no reference.
+against B alone, at the thresholds, and the zoom runs the reference too and is judged against it (the
+zoomed tensors in full values, the rest by their sketches): where A and B agree within the per-kind
+thresholds there is no zoom, and no reference.
 
 Options check does not know itself go to every run (--hf, --config, --tokens, --seq-len, --seed,
 ...); --baseline and --target add their own. Each run is a real `megalign forward|backward`

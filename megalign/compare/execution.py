@@ -139,9 +139,11 @@ class Execution:
         return judge_one_sided(pair.a is not None, shape, dtype, absent.reason(entry.kind, pair.name, sides), allowed)
 
     def _judged(self, pair: Pair, x: Value, y: Value, metrics: Optional[TensorMetrics] = None) -> Verdict:
-        """The judge's verdict, with the reference's value where both sides hold values."""
+        """The judge's verdict, with the reference's value where both sides hold values or sketches
+        (not a big pair compared a window at a time, whose Values hold neither)."""
         r = self.in_reference.get((pair.kind, pair.name))
-        truth = r.load() if r is not None and x.tensor is not None and y.tensor is not None else None
+        truth = r.load() if r is not None and all(side.tensor is not None or side.sketch is not None
+                                                  for side in (x, y)) else None
         return judge_pair(pair.kind, pair.name, x, y, self.rules, truth=truth, metrics=metrics,
                           rows=rank_rows(pair, *self.layouts))
 

@@ -12,7 +12,8 @@ Value), nothing is read from a file. The rules of judge_pair, in the order they 
 - a router's integer expert choices: FAIL where a token's top-k set changed (agreement, not a distance);
 - the relative difference over the threshold (NaN included): FAIL; NaN/Inf counts that differ: FAIL;
   NaN/Inf alike on both sides: a note, FAIL only with strict_nonfinite;
-- with a reference's values of the same shape: its verdict instead of the threshold (reference.py);
+- with a reference of the same shape: its verdict instead of the threshold (reference.py), each side's
+  distance to it in full values, or estimated by sketches where a side or the reference is stats-only;
 - without one, where the default threshold applies: the scale check (scale.py), FAIL when off: a
   factor that explains the difference (removing it leaves rounding), noted as `rescaled`;
 A failing row whose difference sits in one DP rank's rows only says so, and a failing or misshapen one
@@ -107,12 +108,12 @@ def judge_pair(kind: str, name: str, x: Value, y: Value, rules: Rules, truth: Op
     if m.nan_a or m.nan_b or m.inf_a or m.inf_b:
         where = "at different positions or signs" if m.nonfinite_mismatch else m.NONFINITE_ALIKE
         v.notes.append(f"NaN/Inf {where}: A {m.nan_a} NaN {m.inf_a} Inf, B {m.nan_b} NaN {m.inf_b} Inf")
-    if truth is not None and truth.tensor is not None and x.tensor is not None and y.tensor is not None and \
-            list(truth.shape) == list(x.shape):
-        v.reference = reference.judge(kind, x.shape, tensor_metrics(x.tensor, truth.tensor).rel_diff,
-                                      tensor_metrics(y.tensor, truth.tensor).rel_diff, precision_a, precision_b)
+    if truth is not None and list(truth.shape) == list(x.shape) and (distances := _to_reference(x, y, truth)):
+        v.reference = reference.judge(kind, x.shape, *distances, precision_a, precision_b)
         diverged = v.reference.off is not None
         v.threshold = None  # the reference judged this row, not a threshold
+        if any(value.tensor is None for value in (x, y, truth)):
+            v.notes.append("distances to the reference estimated by sketches")
     if v.reference is None and not rules.thresholds.overrides(name):
         v.scale = check_scale(precision, math.prod(x.shape), m, v.threshold)
     if v.scale is not None and v.scale.off:
@@ -238,6 +239,18 @@ def _stored_apart(run: Optional[str], stored: str) -> bool:
     is the rule in bf16 runs (float32 main gradients, loss and logprobs), so it goes unsaid."""
     floating = isinstance(getattr(torch, stored, None), torch.dtype) and getattr(torch, stored).is_floating_point
     return bool(run) and floating and PRECISIONS.index(precision_of(stored)) < PRECISIONS.index(precision_of(run))
+
+
+def _to_reference(x: Value, y: Value, truth: Value) -> Optional[tuple[float, float]]:
+    """Each side's relative difference to the reference's value: in full values, or estimated from
+    sketches where a side or the reference is stats-only (a zoom's tensors outside it; the estimate's
+    12.5% is well within the budgets' margins, reference.py); None where a side has neither."""
+    if truth.problem is not None or (truth.tensor is None and truth.sketch is None):
+        return None
+    distances = [_metrics(side, truth) for side in (x, y)]
+    if all(isinstance(m, TensorMetrics) or m.sketch_k is not None for m in distances):
+        return distances[0].rel_diff, distances[1].rel_diff
+    return None
 
 
 def _metrics(x: Value, y: Value) -> Union[TensorMetrics, StatsMetrics]:

@@ -333,6 +333,30 @@ def test_a_reference_judges_each_side_s_distance_to_it_instead_of_the_threshold(
     assert both.reference.off == "both"
 
 
+def sketched(x: torch.Tensor) -> Value:
+    """`x` as a stats-only dump holds it: its statistics and its sketch."""
+    stats, sketch = summary_of(x)
+    return Value(shape=list(x.shape), dtype=str(x.dtype).removeprefix("torch."), stats=stats, sketch=sketch)
+
+
+def test_stats_only_sides_are_judged_against_the_reference_by_their_sketches():
+    """A zoom's tensors outside it: the same case as above, every side stats-only, each side's distance
+    to R estimated from the sketches (12.5%). The twin: B 40% off R is B off; sides without a sketch
+    (norm, mean and std alone) are judged by the threshold."""
+    truth = randn(64, 64).double()
+    x, y = (truth * 1.15).float(), (truth * 0.85).float()
+    v = judge_pair("activation", "t", sketched(x), sketched(y), BF16, truth=sketched(truth))
+    assert v.status == PASS and v.reference.off is None and v.threshold is None
+    assert v.reference.rel_a == pytest.approx(0.0098, rel=0.5) and "estimated by sketches" in "; ".join(v.notes)
+    b_off = judge_pair("activation", "t", sketched(x), sketched((truth * 0.6).float()), BF16, truth=sketched(truth))
+    assert b_off.status == FAIL and b_off.reference.off == "B"
+    mixed = judge_pair("activation", "t", value(x), sketched(y), BF16, truth=value(truth))
+    assert mixed.status == PASS and mixed.reference.off is None
+    bare = Value(shape=[64, 64], dtype="float32", stats=TensorStats.of(y))
+    unsketched = judge_pair("activation", "t", sketched(x), bare, BF16, truth=sketched(truth))
+    assert unsketched.reference is None and unsketched.threshold == 2e-2
+
+
 def test_a_reference_of_another_shape_judges_nothing():
     truth = randn(8, 64).double()
     x = randn(64, 64)
