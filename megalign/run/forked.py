@@ -1,32 +1,208 @@
-"""torchrun, its CPU ranks forked from one process that has imported their stack once.
+"""torchrun on the CPU, forked: its launcher from a server that has imported every stack once, its
+ranks from the launcher.
 
-Under plain torchrun every rank imports torch and megatron-core anew: about 2.5 s of CPU a rank,
-most of a small run's cost (a tiny CP=2 backward: 10.3 s of CPU under torchrun, 5.5 s here, agent
-and ranks together). This is torchrun's own main (torch.distributed.run), called after the stack's
-`preload`, with torchrun's own `--start-method fork` and `--run-path`: the agent forks each rank,
-which runs the worker's file as its __main__ with the imports already in place. Rendezvous,
-failure handling and logs stay torchrun's.
+Started the plain way, every process of a run imports torch and megatron-core anew: about 3.4 s of CPU
+for the launcher and 2.5 s a rank, most of a small run's cost. Here torchrun's own main
+(torch.distributed.run) runs in a process forked from a server, started once for this megalign
+process, that has imported torch, torchrun and each forking stack's `preload` (preloaded.py); the
+launcher then forks each rank with torchrun's own `--start-method fork` and `--run-path`. One
+`megalign forward` pays the imports once, as before; a process that launches many runs (a script of
+several, the test suite) pays them once in all. Rendezvous, failure handling and logs stay torchrun's.
 
-CPU runs only: a process forked after CUDA is initialised cannot use CUDA, and an import may
-initialise it; GPU runs start their ranks as plain torchrun does.
+The launcher is what `python -m torch.distributed.run ARGS` would be: its own session (a signal to
+its group stops every rank), stdout and stderr into one pipe, stdin from /dev/null, the run's
+environment and working folder. `Launched` is the part of subprocess.Popen that launch.py watches.
 
-    python -m megalign.run.forked STACK DEVICE TORCHRUN_ARGS... (launch.torchrun_command)
+Hand-written rather than multiprocessing's forkserver, which does the same but makes each child
+import the parent's __main__ again: a user's script without a main guard would run twice.
+
+CPU runs only: a process forked after CUDA is initialised cannot use CUDA; GPU runs start their
+ranks as plain torchrun does.
+
+    python -m megalign.run.forked FD    (the server, on the socket FD: started by `start`)
 """
 
 from __future__ import annotations
 
+import atexit
+import io
+import json
+import os
+import select
+import selectors
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
+from typing import IO, Optional
 
-from torch.distributed.run import main as torchrun
+from megalign.errors import RunFailed
 
-from megalign.stacks import STACKS
+_MESSAGE = 1 << 20  # a launch request's most bytes: its arguments and environment
 
 
-def main(argv: list[str]) -> None:
-    stack, device, *torchrun_args = argv
-    STACKS[stack].preload(device)
-    torchrun(torchrun_args)
+class Launched:
+    """A forked launcher, watched as launch.py watches a subprocess.Popen: its exit code arrives on
+    `status` from the server, which reaps it."""
+
+    def __init__(self, pid: int, stdout: IO[str], status: int):
+        self.pid, self.stdout, self._status, self.returncode = pid, stdout, status, None
+
+    def poll(self) -> Optional[int]:
+        return self._read_status(0)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self._read_status(timeout) is None:
+            raise subprocess.TimeoutExpired("torchrun", timeout)
+        return self.returncode
+
+    def _read_status(self, timeout: Optional[float]) -> Optional[int]:
+        if self.returncode is None and select.select([self._status], [], [], timeout)[0]:
+            code = os.read(self._status, 16)
+            os.close(self._status)
+            self.returncode = int(code) if code else -signal.SIGKILL  # the server gone: its children killed
+        return self.returncode
+
+
+class _Server:
+    """The preloaded process launchers are forked from; it exits with this process (its socket closed)."""
+
+    def __init__(self):
+        self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Its own output is the preload's warnings (each launcher writes into its run's pipe instead).
+        self.process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                        pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        theirs.close()
+        self.lock = threading.Lock()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self.socket.close()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+    def fork(self, torchrun_args: list[str], env: dict[str, str]) -> Launched:
+        read, write = os.pipe()
+        status_read, status_write = os.pipe()
+        request = json.dumps({"args": torchrun_args, "env": env, "cwd": os.getcwd()}).encode()
+        try:
+            with self.lock:
+                socket.send_fds(self.socket, [request], [write, status_write])
+                pid = int(self.socket.recv(64) or b"0")
+        finally:
+            os.close(write)
+            os.close(status_write)
+        if not pid:
+            os.close(read)
+            os.close(status_read)
+            raise RunFailed(f"megalign's launcher server (forked.py) exited (code {self.process.poll()})")
+        return Launched(pid, io.TextIOWrapper(io.FileIO(read, "r"), errors="replace"), status_read)
+
+
+_server: Optional[_Server] = None
+_started = threading.Lock()
+
+
+def start(torchrun_args: list[str], env: dict[str, str]) -> Launched:
+    """torchrun's main with `torchrun_args` in a launcher forked from the server (started on first use)."""
+    global _server
+    with _started:
+        if _server is None or _server.process.poll() is not None:
+            _server = _Server()
+    return _server.fork(torchrun_args, env)
+
+
+def serve(fd: int) -> None:
+    """The server: each request on the socket forked into a launcher, each launcher's exit code written
+    to its status pipe when it is reaped."""
+    import megalign.run.preloaded  # noqa: F401 - what every launcher and rank imports, once
+
+    requests = socket.socket(fileno=fd)
+    wakeup, woken = os.pipe()
+    os.set_blocking(wakeup, False)
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so that SIGCHLD wakes the selector
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the megalign process's to handle
+    statuses: dict[int, int] = {}
+    with selectors.DefaultSelector() as selector:
+        selector.register(requests, selectors.EVENT_READ)
+        selector.register(wakeup, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is wakeup:
+                    os.read(wakeup, 4096)
+                    _reap(statuses)
+                    continue
+                request, fds, _, _ = socket.recv_fds(requests, _MESSAGE, 2)
+                if not request:  # the megalign process is gone
+                    return
+                pid = os.fork()
+                if pid == 0:  # the launcher: none of the server's own files
+                    selector.close()
+                    for fd in (requests.detach(), wakeup, woken, *statuses.values()):
+                        os.close(fd)
+                    _launch(json.loads(request), *fds)
+                statuses[pid] = fds[1]
+                os.close(fds[0])
+                requests.send(str(pid).encode())
+
+
+def _reap(statuses: dict[int, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid in statuses:
+            fd = statuses.pop(pid)
+            os.write(fd, str(os.waitstatus_to_exitcode(status)).encode())
+            os.close(fd)
+
+
+def _launch(request: dict, output: int, status: int) -> None:
+    """The forked launcher: torchrun's main, set up as a new process of its own would be; never returns."""
+    code = 1
+    try:
+        os.close(status)
+        os.setsid()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd in (1, 2):
+            os.dup2(output, fd)
+        os.close(output)
+        # Unbuffered, as PYTHONUNBUFFERED makes a new interpreter: the ranks' events are read as they come.
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True,
+                                                   line_buffering=True) for fd in (1, 2))
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None  # TMPDIR is the run's (launch.py), not the one the server may have looked up
+        os.chdir(request["cwd"])
+        sys.argv = ["torchrun", *request["args"]]
+        from torch.distributed.run import main
+
+        main(request["args"])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - as an interpreter would: the traceback, exit 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    serve(int(sys.argv[1]))

@@ -28,6 +28,7 @@ from megalign.dump.format import DUMP_META
 from megalign.dump.landing import staged
 from megalign.errors import RunFailed, UserError
 from megalign.options import Launch
+from megalign.run import forked
 from megalign.spec import RunSpec
 from megalign.stacks import STACKS, events
 
@@ -63,7 +64,22 @@ def check_options(spec: RunSpec, options: Launch) -> None:
         raise UserError(f"world size {world} (tp*pp*cp) is not divisible by --nnodes {options.nnodes}")
 
 
-def torchrun_command(spec: RunSpec, stack: str, spec_file: Path, log_dir: Path, options: Launch) -> list[str]:
+@dataclass(frozen=True)
+class Torchrun:
+    """How a run's ranks start: torchrun with `args` (its own, then the worker's)."""
+
+    args: list[str]
+    forked: bool  # torchrun's main in a launcher forked from a preloaded server (forked.py), ranks forked from it
+
+    def start(self, env: dict) -> "subprocess.Popen | forked.Launched":
+        if self.forked:
+            return forked.start(self.args, env)
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *self.args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,
+                                start_new_session=True)
+
+
+def torchrun_command(spec: RunSpec, stack: str, spec_file: Path, log_dir: Path, options: Launch) -> Torchrun:
     world = spec.layout.world_size
     torchrun = [f"--nproc-per-node={world // options.nnodes}", f"--nnodes={options.nnodes}",
                 f"--node-rank={options.node_rank}", "--max-restarts=0", f"--log-dir={log_dir}"]
@@ -75,10 +91,9 @@ def torchrun_command(spec: RunSpec, stack: str, spec_file: Path, log_dir: Path, 
     else:
         torchrun += ["--standalone"]  # picks a free port: parallel runs on one machine do not collide
     worker = STACKS[stack]
-    if worker.forks and spec.device == "cpu":  # the ranks forked after one import of the stack (forked.py)
-        return [sys.executable, "-m", "megalign.run.forked", stack, spec.device, *torchrun, "--start-method=fork",
-                "--run-path", worker.worker_file(), str(spec_file)]
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun, "-m", worker.worker, str(spec_file)]
+    if worker.forks and spec.device == "cpu":  # the launcher and ranks forked after one import of the stack
+        return Torchrun([*torchrun, "--start-method=fork", "--run-path", worker.worker_file(), str(spec_file)], True)
+    return Torchrun([*torchrun, "-m", worker.worker, str(spec_file)], False)
 
 
 def worker_env(spec: RunSpec) -> dict:
@@ -207,9 +222,8 @@ def _in_this_process(spec: RunSpec, stack: str, sink: Callable[[dict], None]) ->
         events.set_sink(events.print_line)
 
 
-def _run(command: list[str], env: dict, timeout_s: float, on_event: Callable[[dict], None]) -> _Watch:
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               text=True, env=env, start_new_session=True)
+def _run(command: Torchrun, env: dict, timeout_s: float, on_event: Callable[[dict], None]) -> _Watch:
+    process = command.start(env)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
     watch = _Watch()
@@ -265,7 +279,7 @@ def _failure(watch: _Watch, returncode: int) -> Exception:
     return RunFailed(f"rank {first['rank']} failed: {first['error']}", details=first.get("traceback", ""))
 
 
-def _stop(process: subprocess.Popen) -> None:
+def _stop(process: "subprocess.Popen | forked.Launched") -> None:
     if process.poll() is not None:
         return
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -137,14 +140,16 @@ def processes_with_env(entry: str) -> list[int]:
     return found
 
 
-def test_hanging_worker_is_stopped_at_the_timeout(tmp_path, monkeypatch):
+def test_hanging_worker_is_stopped_at_the_timeout(tmp_path):
+    """In a megalign process of its own, as a user runs it: every process it started carries the
+    marker (its launcher server too, forked.py: a forked process keeps its server's environment)."""
     marker = uuid.uuid4().hex
-    monkeypatch.setenv("MEGALIGN_TEST_RUN", marker)
-    monkeypatch.setenv("MEGALIGN_FAULT", "hang@1")
+    env = dict(os.environ, MEGALIGN_TEST_RUN=marker, MEGALIGN_FAULT="hang@1")
     out = tmp_path / "out"
-    result = invoke("forward", "--cp", "2", "--timeout", "10", "--out", out)
-    assert result.exit_code == 1
-    assert "timed out after 10 s" in error_line(result)
+    result = subprocess.run([sys.executable, "-m", "megalign", "forward", "--cp", "2", "--timeout", "10", "--out",
+                             str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "timed out after 10 s" in result.stderr.strip().splitlines()[-1]
     assert list(tmp_path.iterdir()) == []
     assert not processes_with_env(f"MEGALIGN_TEST_RUN={marker}"), "workers left running after a timeout"
 
