@@ -14,15 +14,15 @@ zoomed tensors in full values, the rest by their sketches): where A and B agree 
 thresholds there is no zoom, and no reference.
 
 Options check does not know itself go to every run (--hf, --config, --tokens, --seq-len, --seed,
-...); --baseline and --target add their own. Each run is a real `megalign forward|backward`
-process, so its progress and errors read as they always do.
+...); --baseline and --target add their own. Each run is a real `megalign forward|backward`, made
+in check's own process as that command makes it, so its progress and errors read as they always do;
+the runs share the imports (transformers for --stack hf) and torchrun's launcher server
+(run/forked.py): a new process a run paid them again (about 5 s of CPU a run).
 """
 
 from __future__ import annotations
 
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -37,7 +37,7 @@ from megalign.cli.compare import (AllowMissing, AllowSkipped, Filter, Format, Js
                                   SkipKinds, StrictNonfinite, Threshold, Tolerance, Workers, check_judging, exit_code,
                                   run_compare, speaker)
 from megalign.cli.render import console, fail, use_color
-from megalign.cli.run import parse_run
+from megalign.cli.run import execute, parse_run
 from megalign.options import Mode, Output, RunConfig, flag
 from megalign.sizes import human_bytes, parse_bytes
 
@@ -145,12 +145,21 @@ def check(
 
 
 def _launch(argv: dict[str, list[str]]) -> None:
-    """Each run in turn; a failed one stops check with its exit code (2 for bad input, else 1)."""
+    """Each run in turn; a failed one stops check with its exit code (2 for bad input, 130 interrupted, else 1)."""
     for name, command in argv.items():
-        console.print(f"[bold]{name}[/]: megalign {shlex.join(command[3:])}", highlight=False, soft_wrap=True)
-        code = subprocess.run(command).returncode
+        console.print(f"[bold]{name}[/]: megalign {shlex.join(command)}", highlight=False, soft_wrap=True)
+        code = _exit_code(command)
         if code != 0:
-            fail(f"the {name} run failed (exit {code}); nothing compared", 2 if code == 2 else 1)
+            fail(f"the {name} run failed (exit {code}); nothing compared", code if code in (2, 130) else 1)
+
+
+def _exit_code(args: list[str]) -> int:
+    """`megalign ARGS` (a run's), made here: its exit code."""
+    try:
+        execute(parse_run(args[0], args[1:]))
+    except typer.Exit as e:
+        return e.exit_code
+    return 0
 
 
 def _dumps(folder: Path, reference: bool) -> tuple[Path, Path, Optional[Path]]:
@@ -190,7 +199,7 @@ def _run_argv(mode: Mode, shared: list[str], option: str, extra: str, out: Path,
             raise UserError(f"{own_option} is --zoom's own option: its second pass chooses the tensors")
     _check_run_options(mode, shared, "megalign check")
     _check_run_options(mode, [*shared, *own], f"megalign check {option} {extra!r}")
-    return [sys.executable, "-m", "megalign", mode, *shared, *own, *added, "--out", str(out)] + \
+    return [mode, *shared, *own, *added, "--out", str(out)] + \
         (["--overwrite"] if overwrite else [])
 
 

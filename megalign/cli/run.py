@@ -27,7 +27,7 @@ def run_command(mode: Mode):
     """The Typer command function of `mode` ("forward" or "backward"): one option per field of RunConfig."""
 
     def command(**values) -> None:
-        _run(RunConfig.from_options(mode, values))
+        execute(RunConfig.from_options(mode, values))
 
     command.__signature__ = inspect.Signature([_typer_parameter(f, hint, mode) for f, hint in option_fields()])
     command.__doc__ = (
@@ -55,7 +55,10 @@ def _typer_parameter(option: dataclasses.Field, hint, mode: Mode) -> inspect.Par
     return inspect.Parameter(option.name, inspect.Parameter.KEYWORD_ONLY, default=typer_option, annotation=hint)
 
 
-def _run(config: RunConfig) -> None:
+def execute(config: RunConfig) -> None:
+    """One run, as `megalign forward|backward` makes it: its progress and summary printed; where it
+    fails, its error line and typer.Exit with the exit code (2 for bad input, 1 for a failed run, 130
+    when interrupted)."""
     stack, overwrite = config.source.stack, config.output.overwrite
     replay_dir = None
     try:
