@@ -50,6 +50,18 @@ def check_attention_features(model: ModelConfig, attention: str, cp: int, packed
                         "rows) computes neither; use --ep")
 
 
+def check_qk_norms(model: ModelConfig, attention: str, device: str, sp: bool) -> None:
+    """A qk_layernorm model's q and k norms (Qwen3, GLM-4.5): megatron-core's local spec builds them with
+    torch's norm, which asserts deep in the model's build that sequence parallelism is off; TransformerEngine's
+    norm (its layer spec, on a GPU) takes it."""
+    te = attention == "te" or (attention == "auto" and device == "cuda"
+                               and importlib.util.find_spec("transformer_engine") is not None)
+    if sp and model.qk_layernorm and not te:
+        raise UserError("--sp with the model's q/k norms (qk_layernorm): megatron-core's local layer spec builds them "
+                        "with torch's norm, which refuses sequence parallelism; run without --sp, or on a GPU "
+                        "with TransformerEngine (--attention te)")
+
+
 def resolve_model(config: RunConfig) -> ModelConfig:
     """--hf derives the model from the checkpoint's config.json; else --config; else --load's megalign.json;
     else the tiny model. With --load, --hf or --config must be the checkpoint's model."""
@@ -163,6 +175,7 @@ def plan_run(config: RunConfig) -> RunSpec:
         full_values(output.dump_only, "--dump-only")
     check_attention(numerics.attention, p.cp, numerics.dtype, batch.packed)
     check_attention_features(model, numerics.attention, p.cp, batch.packed)
+    check_qk_norms(model, numerics.attention, resolve_device(numerics.device), p.sp)
     timeout_s = config.launch.timeout_s
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UserError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")

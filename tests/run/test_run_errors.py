@@ -82,6 +82,9 @@ def bad_files(tmp_path):
     (["--packed", "--dp", "3"], "--dp 3 does not divide the 2 sequences"),
     (["--packed", "--attention", "local"], "does not take packed sequences"),
     (["--packed", "--stack", "hf", "--hf", "{d}/folder"], "--stack hf runs padded batches only"),
+    # GLM-4.5's shape (qk_layernorm): megatron-core's local spec asserted in every rank's model build
+    (["--config", str(Path(__file__).parents[2] / "configs" / "tiny-glm-moe.yaml"), "--tp", "2", "--sp"],
+     "--sp with the model's q/k norms (qk_layernorm)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(bad_files, tmp_path, args, message):
     out = tmp_path / "out"
