@@ -122,3 +122,18 @@ def test_refused_gpt_oss_settings_are_one_line_exit_2(gpt_oss, tmp_path):
         result = invoke("forward", "--hf", plain, *layout, "--out", tmp_path / "o")
         assert result.exit_code == 2 and message in result.output, result.output
         assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_the_shipped_tiny_config_is_this_checkpoints_model():
+    """configs/tiny-gpt-oss.yaml is what --hf reads from the checkpoint above, but for its wider weights."""
+    import dataclasses
+
+    import transformers
+
+    from megalign.spec import ModelConfig
+    from megalign.stacks.hf.families import family_of, model_config
+
+    raw = transformers.GptOssConfig(**TINY).to_dict()
+    mapped = model_config(raw, family_of(raw, "tiny"), "tiny-gpt-oss", "tiny")
+    shipped = ModelConfig.from_yaml(Path(__file__).parents[2] / "configs" / "tiny-gpt-oss.yaml")
+    assert dataclasses.replace(shipped, init_method_std=mapped.init_method_std) == mapped
