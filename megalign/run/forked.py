@@ -25,6 +25,7 @@ ranks as plain torchrun does.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -39,9 +40,6 @@ import threading
 from typing import IO, Optional
 
 from megalign.errors import RunFailed
-
-_MESSAGE = 1 << 20  # a launch request's most bytes: its arguments and environment
-
 
 class Launched:
     """A forked launcher, watched as launch.py watches a subprocess.Popen: its exit code arrives on
@@ -62,45 +60,68 @@ class Launched:
         if self.returncode is None and select.select([self._status], [], [], timeout)[0]:
             code = os.read(self._status, 16)
             os.close(self._status)
-            self.returncode = int(code) if code else -signal.SIGKILL  # the server gone: its children killed
+            if not code:  # the server is gone, and the launcher's fate with it: its group stopped for sure
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGKILL)
+            self.returncode = int(code) if code else -signal.SIGKILL
         return self.returncode
 
 
 class _Server:
-    """The preloaded process launchers are forked from; it exits with this process (its socket closed)."""
+    """The preloaded process launchers are forked from. A session of its own, as each launcher: a signal
+    to megalign's process group (a terminal's hang-up, `timeout`, a job's stop) is megalign's to handle.
+    Killed with this process's exit; a launcher running then is stopped by launch.py first."""
 
     def __init__(self):
         self.socket, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # Its own output is the preload's warnings (each launcher writes into its run's pipe instead).
         self.process = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
                                         pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
         self.lock = threading.Lock()
         atexit.register(self.close)
 
     def close(self) -> None:
         self.socket.close()
-        try:
-            self.process.wait(5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        self.process.kill()
+        self.process.wait()
 
-    def fork(self, torchrun_args: list[str], env: dict[str, str]) -> Launched:
+    def fork(self, torchrun_args: list[str], env: dict[str, str], timeout_s: float) -> Launched:
+        """A launcher forked with `torchrun_args` and `env`; RunFailed where the server is gone, or does not
+        answer within `timeout_s` (its imports hang)."""
         read, write = os.pipe()
         status_read, status_write = os.pipe()
+        request_read, request_write = os.pipe()
         request = json.dumps({"args": torchrun_args, "env": env, "cwd": os.getcwd()}).encode()
         try:
             with self.lock:
-                socket.send_fds(self.socket, [request], [write, status_write])
+                # The request through a pipe of its own: an environment may be larger than one socket message.
+                socket.send_fds(self.socket, [b"launch"], [request_read, write, status_write])
+                os.close(request_read)
+                with open(request_write, "wb") as requests:
+                    requests.write(request)
+                self.socket.settimeout(timeout_s)
                 pid = int(self.socket.recv(64) or b"0")
+        except TimeoutError:
+            self.close()
+            raise RunFailed(f"timed out after {timeout_s:g} s (--timeout) while megalign's launcher server "
+                            "imported torch and megatron-core") from None
+        except OSError as e:
+            pid = 0
+            self.close()
+            lost = f": {e.strerror or e}"
+        else:
+            lost = f" (exit code {self.process.poll()})"
         finally:
+            with contextlib.suppress(OSError):
+                os.close(request_read)
             os.close(write)
             os.close(status_write)
         if not pid:
             os.close(read)
             os.close(status_read)
-            raise RunFailed(f"megalign's launcher server (forked.py) exited (code {self.process.poll()})")
+            raise RunFailed(f"megalign's launcher server (run/forked.py) is gone{lost}")
         return Launched(pid, io.TextIOWrapper(io.FileIO(read, "r"), errors="replace"), status_read)
 
 
@@ -108,13 +129,13 @@ _server: Optional[_Server] = None
 _started = threading.Lock()
 
 
-def start(torchrun_args: list[str], env: dict[str, str]) -> Launched:
+def start(torchrun_args: list[str], env: dict[str, str], timeout_s: float) -> Launched:
     """torchrun's main with `torchrun_args` in a launcher forked from the server (started on first use)."""
     global _server
     with _started:
         if _server is None or _server.process.poll() is not None:
             _server = _Server()
-    return _server.fork(torchrun_args, env)
+    return _server.fork(torchrun_args, env, timeout_s)
 
 
 def serve(fd: int) -> None:
@@ -139,17 +160,19 @@ def serve(fd: int) -> None:
                     os.read(wakeup, 4096)
                     _reap(statuses)
                     continue
-                request, fds, _, _ = socket.recv_fds(requests, _MESSAGE, 2)
-                if not request:  # the megalign process is gone
+                message, fds, _, _ = socket.recv_fds(requests, 64, 3)
+                if not message:  # the megalign process is gone
                     return
+                with open(fds[0], "rb") as request:
+                    launch = json.loads(request.read())
                 pid = os.fork()
                 if pid == 0:  # the launcher: none of the server's own files
                     selector.close()
                     for fd in (requests.detach(), wakeup, woken, *statuses.values()):
                         os.close(fd)
-                    _launch(json.loads(request), *fds)
-                statuses[pid] = fds[1]
-                os.close(fds[0])
+                    _launch(launch, *fds[1:])
+                statuses[pid] = fds[2]
+                os.close(fds[1])
                 requests.send(str(pid).encode())
 
 
@@ -176,7 +199,9 @@ def _launch(request: dict, output: int, status: int) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
         for fd in (1, 2):
             os.dup2(output, fd)
         os.close(output)

@@ -71,9 +71,9 @@ class Torchrun:
     args: list[str]
     forked: bool  # torchrun's main in a launcher forked from a preloaded server (forked.py), ranks forked from it
 
-    def start(self, env: dict) -> "subprocess.Popen | forked.Launched":
+    def start(self, env: dict, timeout_s: float) -> "subprocess.Popen | forked.Launched":
         if self.forked:
-            return forked.start(self.args, env)
+            return forked.start(self.args, env, timeout_s)
         return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *self.args], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,
                                 start_new_session=True)
@@ -223,11 +223,11 @@ def _in_this_process(spec: RunSpec, stack: str, sink: Callable[[dict], None]) ->
 
 
 def _run(command: Torchrun, env: dict, timeout_s: float, on_event: Callable[[dict], None]) -> _Watch:
-    process = command.start(env)
+    deadline = time.monotonic() + timeout_s
+    process = command.start(env, timeout_s)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(process.stdout, lines), daemon=True).start()
     watch = _Watch()
-    deadline = time.monotonic() + timeout_s
     try:
         while True:
             try:

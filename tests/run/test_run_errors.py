@@ -166,3 +166,25 @@ def test_gradients_read_from_grad_under_ddp_fail_loudly(tmp_path):
     assert "15 of 15 parameters have no gradient (read from grad)" in line
     assert "embedding.word_embeddings.weight" in line
     assert not out.exists()
+
+
+def test_the_timeout_holds_while_the_launcher_server_imports(tmp_path):
+    """run/forked.py's server imports megatron-core before it forks a launcher: an import that hangs there
+    (here a package megatron-core tries, apex) is stopped at --timeout like a hanging rank."""
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("import time\ntime.sleep(1000)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(Path(__file__).parents[2])]))
+    result = subprocess.run([sys.executable, "-m", "megalign", "forward", "--timeout", "5", "--out",
+                             str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert "timed out after 5 s (--timeout) while megalign's launcher server imported" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_environment_larger_than_a_socket_message_runs(tmp_path, monkeypatch):
+    """The launcher server gets each run's environment through a pipe: 240 KB (module systems, exported
+    shell functions) is more than one message of its socket holds."""
+    for name, fill in (("MEGALIGN_TEST_BIG1", "x"), ("MEGALIGN_TEST_BIG2", "y")):
+        monkeypatch.setenv(name, fill * 120_000)
+    result = invoke("forward", "--cp", "2", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
