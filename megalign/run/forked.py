@@ -97,9 +97,12 @@ class _Server:
         try:
             with self.lock:
                 # The request through a pipe of its own: an environment may be larger than one socket message.
-                socket.send_fds(self.socket, [b"launch"], [request_read, write, status_write])
-                os.close(request_read)
                 with open(request_write, "wb") as requests:
+                    try:
+                        socket.send_fds(self.socket, [b"launch"], [request_read, write, status_write])
+                    finally:  # the server's copies, or none: each closed here once
+                        for fd in (request_read, write, status_write):
+                            os.close(fd)
                     requests.write(request)
                 self.socket.settimeout(timeout_s)
                 pid = int(self.socket.recv(64) or b"0")
@@ -113,11 +116,6 @@ class _Server:
             lost = f": {e.strerror or e}"
         else:
             lost = f" (exit code {self.process.poll()})"
-        finally:
-            with contextlib.suppress(OSError):
-                os.close(request_read)
-            os.close(write)
-            os.close(status_write)
         if not pid:
             os.close(read)
             os.close(status_read)

@@ -164,7 +164,8 @@ def _run(spec: RunSpec, rank: int) -> None:
 
 
 def preload(device: str) -> None:
-    """What every rank imports, imported once by a launcher that then forks the ranks (run/forked.py)."""
+    """What every rank imports, imported once by the server that launchers and their ranks are forked
+    from (run/forked.py, run/preloaded.py)."""
     _import_megatron(device)
     import megalign.capture.megatron_adapter  # noqa: F401
     import megalign.stacks.megatron.model  # noqa: F401
