@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import invoke, max_abs_diffs
+from conftest import invoke, max_abs_diffs, tensors
 from test_run_layouts import TOLERANCE
 
 MOE = ("backward", "--config", "configs/tiny-moe.yaml")
@@ -113,6 +113,34 @@ def test_a_replay_that_cannot_fit_is_one_line_and_exit_2(dump, tmp_path, source,
     result = invoke(*MOE, *routing, *args, "--out", tmp_path / "out")
     assert result.exit_code == 2, result.output
     assert message in result.output and not (tmp_path / "out").exists()
+
+
+def test_an_expert_no_token_reached_has_zeros_for_its_gradient(tmp_path):
+    """Two sequences of three tokens, top-2 of 16 experts: the four tokens whose outputs the loss reads
+    (a sequence's last predicts nothing) reach 8 experts of a layer at most, so at least 8 have a
+    gradient of zeros, not a missing one: the backward runs, and EP=2 agrees with EP=1 on them. The
+    failing twin: reading `.grad` under DDP (None everywhere) still names every other parameter, the
+    experts that tokens reached included."""
+    (tmp_path / "many.yaml").write_text(Path("configs/tiny-moe.yaml").read_text().replace("num_moe_experts: 4",
+                                                                                         "num_moe_experts: 16"))
+    (tmp_path / "few.json").write_text("[[5, 17, 29], [3, 9, 40]]")
+    few = ("backward", "--config", tmp_path / "many.yaml", "--tokens", tmp_path / "few.json")
+    for name, args in (("ep1", ()), ("ep2", ("--ep", "2"))):
+        result = invoke(*few, *args, "--out", tmp_path / name)
+        assert result.exit_code == 0, result.output
+    grads = {name: grad for (kind, name), grad in tensors(tmp_path / "ep1").items() if kind == "param_grad"}
+    assert len(grads) == 3 + 2 * (4 + 1 + 16 * 2)
+    idle = {name.split(".linear_")[0] for name, grad in grads.items() if ".experts." in name and not grad.any()}
+    for layer in (0, 1):
+        assert 8 <= sum(f"layers.{layer}." in expert for expert in idle) <= 14
+    compared = invoke("compare", tmp_path / "ep1", tmp_path / "ep2")
+    assert compared.exit_code == 0, compared.output
+
+    result = invoke(*few, "--grad-source", "grad", "--out", tmp_path / "grad")
+    assert result.exit_code == 1
+    # Each idle expert's two linears have no bias in tiny-moe: 2 parameters an expert are excused, no more.
+    assert f"{len(grads) - 2 * len(idle)} of {len(grads)} parameters have no gradient (read from grad)" \
+        in result.output, result.output
 
 
 def test_glm_shaped_config_at_ep2_matches_the_single_rank_run(dump):

@@ -45,7 +45,7 @@ def _run(spec: RunSpec, rank: int) -> None:
     from megalign.dump.layout import cp_split_bounds, dp_rows
     from megalign.dump.sharding import Sharding
     from megalign.stacks.batch import batch_rows, build_batch
-    from megalign.stacks.megatron.grads import collect_param_grads
+    from megalign.stacks.megatron.grads import ExpertTokens, collect_param_grads
     from megalign.stacks.megatron.loss import token_loss
     from megalign.stacks.megatron.model import build_model, load_weights, transformer_config
     from megalign.stacks.megatron.packing import packed_seq_params, split_packed_over_cp
@@ -143,6 +143,9 @@ def _run(spec: RunSpec, rank: int) -> None:
                         packed_seq_params=packed)
         return losses, partial(token_loss, dumper, data["loss_mask"], spec.loss_norm)
 
+    # Counted for the gradient coverage: an expert no token reached has no gradient to miss.
+    experts = ExpertTokens(model, spec.model.num_layers, spec.model.num_moe_experts) \
+        if backward and spec.model.num_moe_experts else None
     schedule = get_forward_backward_func()
     with torch.set_grad_enabled(backward), precision(spec.dtype):
         reduced = schedule(forward_step_func=forward_step, data_iterator=iter([batch]), model=[chunk],
@@ -152,7 +155,7 @@ def _run(spec: RunSpec, rank: int) -> None:
 
     manifest = {}
     if backward:
-        manifest["grad_coverage"] = collect_param_grads(chunk, model, dumper, spec)
+        manifest["grad_coverage"] = collect_param_grads(chunk, model, dumper, spec, experts)
     dumper.close(manifest, lambda: run_meta(spec, elapsed_s=time.monotonic() - started,
                                             rows=[row.to_dict() for row in rows], cp_split=spec.cp_split,
                                             start_s=round(started - LOADED, 3), weights_s=round(weights_s, 3)))
