@@ -433,7 +433,8 @@ class Dumper:
         outside, outside_step = self._writing, self._step_now
         self._writing, self._step_now = self._choice.wants(n), n
         # From the second step on, device statistics go through a Triton kernel: its compilation
-        # (about a second a dtype) pays off over a training loop, not in a run of one step (megalign's own).
+        # (about a second a dtype) pays off over a training loop, not in a small run of one step
+        # (megalign's own; a large one's takes it after stats.FUSED_AFTER elements).
         self._writer.summaries.fused = bool(self._steps)
         if self._writing:
             self._marks.append([n, len(self.records)])

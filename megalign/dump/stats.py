@@ -171,6 +171,13 @@ ROW = 4096  # elements reduced together first: the rows side by side, then their
 SUMMARY = 7  # the values of a tensor's summary (TensorStats.from_summary)
 SKETCHES = 256  # tensors of a sketch table
 COPIES = 32  # copies of a tensor's buckets in it, which the Triton kernel spreads its atomic adds over (8 MiB a table)
+# Elements summarised after which the Triton kernel is used even in a run's first step. The eager path
+# costs about twenty kernels over int64 temporaries a block (some 300 bytes of traffic an element, 70 ps
+# on an H200) where the kernel costs a few; its compilation, about a second a dtype the first time on a
+# machine (Triton keeps it on disk), is repaid by about 1.5e10 elements. A one-step run of a large
+# model summarises far more (an 8B model's backward at 2x4096 tokens: 1.4e11, its attention
+# probabilities most), a tiny one far less.
+FUSED_AFTER = 1 << 31
 
 
 class SummaryBatch:
@@ -182,8 +189,9 @@ class SummaryBatch:
     sketch (sketch.py), K float64 values: the tensor's row of a sketch table, COPIES copies of its
     buckets summed at take.
 
-    `fused` (from a training loop's second step: the kernel's compilation, about a second a dtype,
-    pays off over a loop, not in a run of one step): each tensor is reduced and sketched where it
+    `fused` (from a training loop's second step, or once FUSED_AFTER elements have been added: the
+    kernel's compilation, about a second a dtype, pays off over a loop or a large model's step, not in
+    a small run of one step): each tensor is reduced and sketched where it
     lies, in its own dtype, in one pass by one Triton kernel (device_kernels.py). Otherwise, or
     without Triton, each is copied as float32 into a staging buffer of `rows` rows, NaN after it in
     its last row (one larger goes in as pieces of a buffer each), and the buffer's rows are reduced
@@ -210,6 +218,7 @@ class SummaryBatch:
         self._pieces: list[tuple[int, int, int]] = []  # (tensor, elements, rows) of each piece, in row order
         self._sketches: list[torch.Tensor] = []  # [SKETCHES, COPIES, K] float64, zeroed: tensor i's in row i
         self._tensors = 0  # added since the last take
+        self._elements = 0  # added in all
 
     def add(self, tensor: torch.Tensor, base: torch.Tensor, cols: torch.Tensor,
             keep: Optional[torch.Tensor] = None) -> None:
@@ -219,6 +228,7 @@ class SummaryBatch:
         nothing but NaN (the other ways take it whatever the flag)."""
         x = summable(tensor.reshape(-1))
         owner, self._tensors = self._tensors, self._tensors + 1
+        self._elements += x.numel()
         table = self._sketch_table(owner, x.device)
         if x.dtype == torch.float64:  # kept exact: its rows reduced now, in float64
             self._reduce()
@@ -228,7 +238,8 @@ class SummaryBatch:
             self._pieces.append((owner, n, rows))
             device_sketch(x, base, cols, table[owner % SKETCHES, 0])
             return
-        if self.fused and runs_here(x) and self._reduce_in_place(owner, x, base, cols, keep):
+        fused = self.fused or self._elements > FUSED_AFTER
+        if fused and runs_here(x) and self._reduce_in_place(owner, x, base, cols, keep):
             return
         device_sketch(x, base, cols, table[owner % SKETCHES, 0])
         size = self.rows * ROW

@@ -109,6 +109,19 @@ def shard(dtype: torch.dtype, rows: int, width: int, whole: tuple[int, int], see
 
 
 @pytest.mark.skipif(not kernel_runs(), reason="needs Triton: a GPU, or TRITON_INTERPRET=1 (bench/gpu.sh runs it)")
+def test_a_first_step_takes_the_kernel_once_enough_elements_came(monkeypatch):
+    """Not fused (a run's first step), a tensor goes through the kernel once FUSED_AFTER elements have
+    been added, not before. Seen through a false keep flag, which only the kernel honours (it reads
+    the tensor as NaN); the staged way sums it whatever the flag."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.arange(6000, dtype=torch.float32, device=device)
+    for after, kernel in ((1 << 40, False), (5000, True)):
+        monkeypatch.setattr(stats, "FUSED_AFTER", after)
+        (summary,) = summaries([x], keep=torch.tensor(False, device=device))
+        assert summary["nan"] == (x.numel() if kernel else 0)
+
+
+@pytest.mark.skipif(not kernel_runs(), reason="needs Triton: a GPU, or TRITON_INTERPRET=1 (bench/gpu.sh runs it)")
 def test_the_triton_kernel_gives_the_hosts_statistics_and_sketch():
     """Fused, every tensor through the kernel (no fallback warning): rows of 4096 a tensor does not
     fill, shards at columns out of order as wide as a row or wider (a row's elements in two of its
