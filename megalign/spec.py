@@ -263,10 +263,6 @@ def check_layout(layout: Layout, model: ModelConfig, seq_len: int, sequences: in
         raise UserError(f"--tp {layout.tp} with multi-latent attention: megatron-core's MLA gathers "
                         "linear_kv_down_proj's output over TP, whose backward keeps each rank's slice and drops the "
                         "other ranks' heads' share of the rope key's gradient; use --cp or --ep")
-    if layout.tp > 1 and model.softmax_type != "vanilla":
-        # megatron-core gives softmax_offset no tensor_model_parallel mark: its shard cannot be told apart from a copy.
-        raise UserError(f"--tp {layout.tp} with attention sinks (softmax_type learnable): megatron-core does not mark "
-                        "softmax_offset as split over TP; use --ep")
     _check_experts(layout, model)
     layout.check_sequences(sequences)
     if model.num_attention_heads % layout.tp or model.num_query_groups % layout.tp:

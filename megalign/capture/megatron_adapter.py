@@ -31,7 +31,7 @@ from megalign.capture.megatron_router import router_tracer
 from megalign.dump.format import Kind, RankCoords
 from megalign.dump.grad_convention import GradReduction, mean_of
 from megalign.dump.layout import Layout
-from megalign.dump.megatron_params import gated_linear
+from megalign.dump.megatron_params import gated_linear, split_by_name_only
 from megalign.dump.sharding import Sharding
 from megalign.spec import VOCAB_PARAMS
 
@@ -57,10 +57,13 @@ def param_sharding(name: str, param: torch.nn.Parameter, swiglu: bool) -> Shardi
     expert's (`allreduce` False) over the expert TP ranks, which are the TP ranks or (ETP=1) none
     (tp_group). Under SwiGLU, linear_fc1 (its weight and bias) holds gate|up fused, each rank a slice
     of both: told by the name, as megatron's own checkpoints tell it (`partition_stride` is not set
-    by every linear: kitchen's keeps 1)."""
-    if not getattr(param, "tensor_model_parallel", False) or tp_group(param) is None:
+    by every linear: kitchen's keeps 1). Unmarked, a parameter is a replica, but for the few that the
+    name says megatron splits all the same (megatron_params.split_by_name_only)."""
+    if tp_group(param) is None:
         return Sharding()
-    return Sharding(tp_dim=param.partition_dim, tp_parts=2 if swiglu and gated_linear(name) else 1)
+    if getattr(param, "tensor_model_parallel", False):
+        return Sharding(tp_dim=param.partition_dim, tp_parts=2 if swiglu and gated_linear(name) else 1)
+    return Sharding(tp_dim=split_by_name_only(name))
 
 
 def read_grads(ddps: Iterable[torch.nn.Module], params: dict[str, torch.nn.Parameter],

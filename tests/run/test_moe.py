@@ -10,6 +10,7 @@ whose routing only replay makes equal; two swapped experts are planted in a chec
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,30 @@ def test_an_expert_no_token_reached_has_zeros_for_its_gradient(tmp_path):
     # Each idle expert's two linears have no bias in tiny-moe: 2 parameters an expert are excused, no more.
     assert f"{len(grads) - 2 * len(idle)} of {len(grads)} parameters have no gradient (read from grad)" \
         in result.output, result.output
+
+
+def test_gpt_oss_at_tp2_agrees_but_where_megatron_sums_the_expert_biases_twice(dump, tmp_path):
+    """configs/tiny-gpt-oss.yaml at TP=2 (SP, expert TP 1) against TP=1. The sinks, which megatron-core
+    splits by heads without marking the split (megatron_params.split_by_name_only), agree, and so does
+    every tensor but one kind: the experts' linear_fc2 bias gradients, exactly twice TP=1's. megatron-core
+    (0.19) marks a RowParallelLinear's bias `sequence_parallel` under SP, an expert's too, so
+    finalize_model_grads sums it over the TP ranks after DDP summed it over the expert data-parallel
+    ranks: here the same two ranks. The first divergence is named at layer 0's expert 0."""
+    gpt_oss = ("backward", "--config", "configs/tiny-gpt-oss.yaml")
+    out = tmp_path / "report.jsonl"
+    result = invoke("compare", dump(*gpt_oss), dump(*gpt_oss, "--tp", "2", "--sp", "--etp", "1"), "--json", out)
+    assert result.exit_code == 1, result.output
+    assert "first divergence: param_grad decoder.layers.0.mlp.experts.0.linear_fc2.bias" in result.output
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = [r for r in records if r["record"] == "tensor"]
+    failed = {r["name"]: r for r in rows if r["status"] != "pass"}
+    assert set(failed) == {f"decoder.layers.{layer}.mlp.experts.{expert}.linear_fc2.bias"
+                           for layer in (0, 1) for expert in range(4)}
+    for record in failed.values():
+        a, b = record["metrics"]["norm_a"], record["metrics"]["norm_b"]
+        assert record["kind"] == "param_grad" and b == pytest.approx(2 * a, rel=1e-5)
+    sinks = [r for r in rows if r["name"].endswith("core_attention.softmax_offset")]
+    assert len(sinks) == 2 and all(r["status"] == "pass" and r["shape_b"] == [4] for r in sinks)
 
 
 def test_glm_shaped_config_at_ep2_matches_the_single_rank_run(dump):
