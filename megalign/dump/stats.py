@@ -171,12 +171,13 @@ ROW = 4096  # elements reduced together first: the rows side by side, then their
 SUMMARY = 7  # the values of a tensor's summary (TensorStats.from_summary)
 SKETCHES = 256  # tensors of a sketch table
 COPIES = 32  # copies of a tensor's buckets in it, which the Triton kernel spreads its atomic adds over (8 MiB a table)
-# Elements summarised after which the Triton kernel is used even in a run's first step. The eager path
-# costs about twenty kernels over int64 temporaries a block (some 300 bytes of traffic an element, 70 ps
-# on an H200) where the kernel costs a few; its compilation, about a second a dtype the first time on a
-# machine (Triton keeps it on disk), is repaid by about 1.5e10 elements. A one-step run of a large
-# model summarises far more (an 8B model's backward at 2x4096 tokens: 1.4e11, its attention
-# probabilities most), a tiny one far less.
+# Elements summarised after which the Triton kernel is used even in a run's first step (the tensor that
+# passes it included). The eager path costs about twenty kernels over int64 temporaries a block (some
+# 300 bytes of traffic an element, 70 ps on an H200) where the kernel costs a few. Its compilation,
+# about a second a dtype, is repaid by about 1.5e10 elements, but only the first run on a machine pays
+# it in full: Triton keeps the compiled kernel on disk, and megalign's runs come several at a time (a
+# check's four), so the bar is set lower. A one-step run of a large model summarises far more (an 8B
+# model's backward at 2x4096 tokens: 1.4e11, its attention probabilities most), a tiny one far less.
 FUSED_AFTER = 1 << 31
 
 

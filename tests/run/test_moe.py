@@ -134,6 +134,8 @@ def test_an_expert_no_token_reached_has_zeros_for_its_gradient(tmp_path):
     idle = {name.split(".linear_")[0] for name, grad in grads.items() if ".experts." in name and not grad.any()}
     for layer in (0, 1):
         assert 8 <= sum(f"layers.{layer}." in expert for expert in idle) <= 14
+    manifest = json.loads((tmp_path / "ep1" / "rank-00000" / "manifest.json").read_text())
+    assert manifest["grad_coverage"]["zeros_of_unreached_experts"] == 2 * len(idle)  # fc1 and fc2 weights
     compared = invoke("compare", tmp_path / "ep1", tmp_path / "ep2")
     assert compared.exit_code == 0, compared.output
 
@@ -150,7 +152,8 @@ def test_gpt_oss_at_tp2_agrees_but_where_megatron_sums_the_expert_biases_twice(d
     every tensor but one kind: the experts' linear_fc2 bias gradients, exactly twice TP=1's. megatron-core
     (0.19) marks a RowParallelLinear's bias `sequence_parallel` under SP, an expert's too, so
     finalize_model_grads sums it over the TP ranks after DDP summed it over the expert data-parallel
-    ranks: here the same two ranks. The first divergence is named at layer 0's expert 0."""
+    ranks: at EP=1 the same two ranks. The first divergence is named at layer 0's expert 0. Biased
+    experts at expert TP 2 are refused (test_cross_stack_gptoss.py)."""
     gpt_oss = ("backward", "--config", "configs/tiny-gpt-oss.yaml")
     out = tmp_path / "report.jsonl"
     result = invoke("compare", dump(*gpt_oss), dump(*gpt_oss, "--tp", "2", "--sp", "--etp", "1"), "--json", out)

@@ -41,22 +41,26 @@ _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 class ExpertTokens:
     """How many tokens each decoder layer's router sent to each expert whose output the loss reached:
     the gradient of the router's probabilities, [tokens, experts], is nonzero where a token was sent
-    to the expert and its output took part in the loss (a sequence's last token, a padding token or
-    one the loss mask leaves out sends its experts nothing back). Counted by a hook on each router's
-    output in the step's backward (where activations are recomputed, on the recomputed forward's,
-    the first having no graph), so an expert counted zero is one whose gradient is zeros."""
+    to the expert and its output took part in the loss (a sequence's last token sends its experts
+    nothing back, nor, in the last MoE layer, does a token the loss mask leaves out). Counted by a
+    hook on each router's output in the step's backward (where activations are recomputed, on the
+    recomputed forward's, the first having no graph), on the device (a read-back a layer would stall
+    the backward), so an expert counted zero is one whose gradient is zeros."""
 
     def __init__(self, model: torch.nn.Module, layers: int, experts: int):
-        self.counts = torch.zeros(layers, experts, dtype=torch.int64)
+        self.counts = torch.zeros(layers, experts, dtype=torch.int64, device=collective_device())
         self._handles = []
         for local, module in model.named_modules():
             match = is_router(module) and _ROUTER.match(global_name(model, local))
             if match:  # an MTP layer's router is not counted: its experts' zeros stay missing
                 self._handles.append(module.register_forward_hook(self._hooker(int(match.group(1)))))
+        if not self._handles and any(_EXPERT.match(global_name(model, name)) for name, _ in model.named_parameters()):
+            # Every expert would count as unreached, and every missing gradient of one be excused.
+            raise RuntimeError("experts, and no router of theirs found to count their tokens (megatron-core's names?)")
 
     def _hooker(self, layer: int):
         def count(grad: torch.Tensor) -> None:
-            self.counts[layer] += (grad != 0).sum(0).to(device="cpu", dtype=torch.int64)
+            self.counts[layer] += (grad != 0).sum(0).to(self.counts.device)
 
         def hook(module, inputs, output) -> None:
             probs = output[0]  # [tokens, experts], zero where not chosen (megatron_outputs.routing_choices)
@@ -68,16 +72,16 @@ class ExpertTokens:
         """(layer, expert) that no token of any rank reached: every rank calls it, once, after backward."""
         for handle in self._handles:
             handle.remove()
-        counts = self.counts.to(collective_device())
-        dist.all_reduce(counts)
-        return {(layer, expert) for layer, expert in (counts == 0).nonzero().tolist()}
+        dist.all_reduce(self.counts)
+        return {(layer, expert) for layer, expert in (self.counts == 0).nonzero().tolist()}
 
 
 def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: Dumper, spec: RunSpec,
                         experts: ExpertTokens | None = None) -> dict:
     """Dump every parameter's gradient, read as the Dumper reads a user's (megatron_adapter.read_grads,
     from `chunk`, the DDP-wrapped `model`) and held by the same rule; raise RunFailed naming the first
-    parameters without one, other than the experts that `experts` says no token reached."""
+    parameters without one, other than the experts that `experts` says no token reached (counted in
+    the manifest's record)."""
     params = {}
     for local, param in model.named_parameters():
         name = global_name(model, local)
@@ -85,17 +89,20 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: 
             params[name] = param
     grads = read_grads([chunk], params, spec.grad_source)
     vocab, padded = spec.model.vocab_size, spec.model.padded_vocab_size(spec.layout.tp)
-    missing, present = [], 0
+    missing, present, unreached = [], 0, 0
     idle = experts.unreached() if experts is not None else set()
     for (name, grad), holds in zip(grads.items(), held_gradients(list(grads.values()), list(params.values()))):
         expert = _EXPERT.match(name)
-        if not holds and not (expert and (int(expert.group(1)), int(expert.group(2))) in idle):
-            missing.append(name)
-            continue
+        if not holds:
+            if not (expert and (int(expert.group(1)), int(expert.group(2))) in idle):
+                missing.append(name)
+                continue
+            unreached += 1
         if grad is None:  # an idle expert's, where no buffer holds it: its gradient is zeros all the same
             grad = torch.zeros_like(params[name])
         present += 1
         grad, sharding = param_grad_layout(name, grad, param_sharding(name, params[name], spec.model.swiglu),
                                            vocab, padded)
         dumper.add(Kind.PARAM_GRAD, name, grad, sharding, module=name.rsplit(".", 1)[0], stable=True)
-    return check_coverage(missing, len(missing) + present, spec.grad_source)
+    coverage = check_coverage(missing, len(missing) + present, spec.grad_source)
+    return {**coverage, "zeros_of_unreached_experts": unreached} if unreached else coverage
