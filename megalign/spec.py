@@ -280,8 +280,8 @@ def _check_experts(layout: Layout, model: ModelConfig) -> None:
         raise UserError("an MoE model with --tp > 1 needs --sp (megatron-core refuses MoE with tensor "
                         "parallelism and without sequence parallelism in training)")
     if model.is_moe and model.add_bias_linear and layout.expert_tp > 1:
-        raise UserError(f"--etp {layout.expert_tp} with biased experts (add_bias_linear): megatron-core supports "
-                        "expert biases at expert tensor parallelism 1 only; pass --etp 1")
+        raise UserError(f"--etp {layout.expert_tp} (the default is --tp) with biased experts (add_bias_linear): "
+                        "megatron-core supports expert biases at expert tensor parallelism 1 only; pass --etp 1")
     if (layout.ep, layout.expert_tp) == (1, layout.tp):
         return
     if not model.is_moe:

@@ -116,7 +116,7 @@ def test_refused_gpt_oss_settings_are_one_line_exit_2(gpt_oss, tmp_path):
         result = invoke("forward", "--hf", with_config(plain, tmp_path / str(i), **changes), "--out", tmp_path / "o")
         assert result.exit_code == 2 and message in result.output, (changes, result.output)
         assert len(result.output.strip().splitlines()) == 1, result.output
-    for layout, message in ((("--tp", "2", "--sp"), "--etp 2 with biased experts (add_bias_linear)"),
+    for layout, message in ((("--tp", "2", "--sp"), "--etp 2 (the default is --tp) with biased experts"),
                             (("--cp", "2"), "--cp 2 with attention sinks or a sliding window"),
                             (("--packed",), "--packed with attention sinks or a sliding window")):
         result = invoke("forward", "--hf", plain, *layout, "--out", tmp_path / "o")
