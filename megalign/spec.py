@@ -8,6 +8,7 @@ laptop with no file at hand; configs/tiny.yaml spells the same values out for co
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
@@ -253,6 +254,20 @@ class ModelConfig:
 
 # A run's layout against its model and batch: here, beside the model, so that dump/layout.py (which
 # readers use without any model) knows nothing of ModelConfig.
+def has_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_attention(attention: str, device: str, cp: int, packed: bool) -> str:
+    """--attention auto resolved: TE on CUDA when installed, megatron's local attention at CP=1 (unpacked),
+    else megalign's torch attention; any other value as it is."""
+    if attention != "auto":
+        return attention
+    if device == "cuda" and has_transformer_engine():
+        return "te"
+    return "local" if cp == 1 and not packed else "torch"
+
+
 def check_layout(layout: Layout, model: ModelConfig, seq_len: int, sequences: int) -> None:
     """Raise UserError for a layout the model or the batch cannot be split into."""
     layout.check_sizes()

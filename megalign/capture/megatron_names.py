@@ -11,6 +11,7 @@ attributes and parallel_state where the program initialised it, so that the Dump
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 
@@ -18,6 +19,7 @@ from megalign.capture.ddp_grads import megatron_state
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)(?=\.|$)")
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)(?=\.|$)")
+_GLOBAL_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")  # as global_name writes it
 
 
 def global_name(model: torch.nn.Module, local_name: str) -> str:
@@ -36,6 +38,12 @@ def global_name(model: torch.nn.Module, local_name: str) -> str:
         index = state.get_expert_model_parallel_rank() * local_experts + int(expert.group(1))
         name = f"{name[:expert.start()]}.mlp.experts.{index}{name[expert.end():]}"
     return name
+
+
+def expert_of(name: str) -> Optional[tuple[int, int]]:
+    """(layer, expert) of a decoder layer's expert parameter named by global_name; None for any other."""
+    match = _GLOBAL_EXPERT.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def is_duplicate_embedding(name: str, param: torch.nn.Parameter) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import replace
 from typing import Optional
@@ -12,7 +11,7 @@ from megalign.dump.zoom import full_values
 from megalign.errors import UserError, compile_pattern
 from megalign.options import RunConfig
 from megalign.run.tokens import check_tokens, default_tokens, load_tokens, resolve_seq_len, rollout_sequences
-from megalign.spec import Layout, ModelConfig, RunSpec, check_layout
+from megalign.spec import Layout, ModelConfig, RunSpec, check_layout, has_transformer_engine, resolve_attention
 from megalign.stacks.dist_checkpoint import check_data_files, checkpoint_folder, checkpoint_model
 
 
@@ -35,7 +34,7 @@ def check_attention(attention: str, cp: int, dtype: str, packed: bool) -> None:
     if attention == "local" and cp > 1:
         raise UserError("--attention local (megatron's DotProductAttention) cannot run with --cp > 1; "
                         "use --attention torch or te")
-    if attention == "te" and importlib.util.find_spec("transformer_engine") is None:
+    if attention == "te" and not has_transformer_engine():
         raise UserError("--attention te needs TransformerEngine, which is not installed")
 
 
@@ -50,13 +49,11 @@ def check_attention_features(model: ModelConfig, attention: str, cp: int, packed
                         "rows) computes neither; use --ep")
 
 
-def check_qk_norms(model: ModelConfig, attention: str, device: str, sp: bool) -> None:
+def check_qk_norms(model: ModelConfig, attention: str, sp: bool) -> None:
     """A qk_layernorm model's q and k norms (Qwen3, GLM-4.5): megatron-core's local spec builds them with
     torch's norm, which asserts deep in the model's build that sequence parallelism is off; TransformerEngine's
-    norm (its layer spec, on a GPU) takes it."""
-    te = attention == "te" or (attention == "auto" and device == "cuda"
-                               and importlib.util.find_spec("transformer_engine") is not None)
-    if sp and model.qk_layernorm and not te:
+    norm (its layer spec, on a GPU) takes it. `attention`: resolved (spec.resolve_attention)."""
+    if sp and model.qk_layernorm and attention != "te":
         raise UserError("--sp with the model's q/k norms (qk_layernorm): megatron-core's local layer spec builds them "
                         "with torch's norm, which refuses sequence parallelism; run without --sp, or on a GPU "
                         "with TransformerEngine (--attention te)")
@@ -175,7 +172,8 @@ def plan_run(config: RunConfig) -> RunSpec:
         full_values(output.dump_only, "--dump-only")
     check_attention(numerics.attention, p.cp, numerics.dtype, batch.packed)
     check_attention_features(model, numerics.attention, p.cp, batch.packed)
-    check_qk_norms(model, numerics.attention, resolve_device(numerics.device), p.sp)
+    check_qk_norms(model, resolve_attention(numerics.attention, resolve_device(numerics.device), p.cp, batch.packed),
+                   p.sp)
     timeout_s = config.launch.timeout_s
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise UserError(f"--timeout must be a positive number of seconds, got {timeout_s:g}")

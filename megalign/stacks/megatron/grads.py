@@ -28,14 +28,13 @@ from megalign.capture.coverage import check_coverage, collective_device
 from megalign.capture.ddp_grads import held_gradients
 from megalign.capture.dumper import Dumper
 from megalign.capture.megatron_adapter import param_grad_layout, param_sharding, read_grads
-from megalign.capture.megatron_names import global_name, is_duplicate_embedding
+from megalign.capture.megatron_names import expert_of, global_name, is_duplicate_embedding
 from megalign.capture.megatron_outputs import is_router
 from megalign.dump.format import Kind
 from megalign.spec import RunSpec
 
 
 _ROUTER = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.router$")
-_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
 class ExpertTokens:
@@ -54,7 +53,7 @@ class ExpertTokens:
             match = is_router(module) and _ROUTER.match(global_name(model, local))
             if match:  # an MTP layer's router is not counted: its experts' zeros stay missing
                 self._handles.append(module.register_forward_hook(self._hooker(int(match.group(1)))))
-        if not self._handles and any(_EXPERT.match(global_name(model, name)) for name, _ in model.named_parameters()):
+        if not self._handles and any(expert_of(global_name(model, name)) for name, _ in model.named_parameters()):
             # Every expert would count as unreached, and every missing gradient of one be excused.
             raise RuntimeError("experts, and no router of theirs found to count their tokens (megatron-core's names?)")
 
@@ -92,9 +91,8 @@ def collect_param_grads(chunk: torch.nn.Module, model: torch.nn.Module, dumper: 
     missing, present, unreached = [], 0, 0
     idle = experts.unreached() if experts is not None else set()
     for (name, grad), holds in zip(grads.items(), held_gradients(list(grads.values()), list(params.values()))):
-        expert = _EXPERT.match(name)
         if not holds:
-            if not (expert and (int(expert.group(1)), int(expert.group(2))) in idle):
+            if expert_of(name) not in idle:
                 missing.append(name)
                 continue
             unreached += 1

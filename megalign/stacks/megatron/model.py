@@ -9,7 +9,6 @@ same numbers. `load_weights` is the one place a parameter's shard is worked out.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +22,7 @@ from megalign.capture.ddp_grads import tp_group
 from megalign.capture.megatron_adapter import mask_vocab_padding, param_sharding
 from megalign.capture.megatron_names import global_name, is_duplicate_embedding
 from megalign.dump.format import PRECISION_DTYPES
-from megalign.spec import ModelConfig, RunSpec
+from megalign.spec import ModelConfig, RunSpec, resolve_attention
 from megalign.stacks.shard import ParamShard, WeightSource
 
 
@@ -123,21 +122,8 @@ def _mla_config(model: ModelConfig) -> dict:
     return {**mla, **yarn, "rope_type": "yarn", "mscale_all_dim": model.yarn_mscale_all_dim or 0.0}
 
 
-def attention_backend(spec: RunSpec) -> str:
-    """Resolve --attention auto: TE on CUDA when installed, megatron's local attention at CP=1 (unpacked), else ours."""
-    if spec.attention != "auto":
-        return spec.attention
-    if spec.device == "cuda" and _has_transformer_engine():
-        return "te"
-    return "local" if spec.layout.cp == 1 and not spec.packed else "torch"
-
-
-def _has_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def layer_spec(spec: RunSpec, config: TransformerConfig):
-    backend = attention_backend(spec)
+    backend = resolve_attention(spec.attention, spec.device, spec.layout.cp, spec.packed)
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
